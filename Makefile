@@ -1,0 +1,45 @@
+# Two commands set everything up on a fresh Debian/Ubuntu machine:
+#   make serve   installs what is missing and serves on 127.0.0.1:8080
+#   make test    installs what is missing and runs the test suite
+VENV    := .venv
+PYTHON  ?= python3
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.shoal-installed
+SYSTEM  := $(VENV)/.shoal-system
+
+.PHONY: serve test test-slow bench bench-http system runtime check clean
+
+serve: runtime
+	$(BIN)/shoal serve
+
+test: runtime
+	bash scripts/run-tests.sh -m "not slow"
+
+test-slow: runtime
+	bash scripts/run-tests.sh -m slow
+
+bench: runtime
+	$(BIN)/python bench/sandbox_bench.py
+
+bench-http: runtime
+	$(BIN)/python bench/http_bench.py
+
+check: runtime
+	$(BIN)/shoal check
+
+system: $(SYSTEM)
+$(SYSTEM): runtime/debian-packages.txt scripts/ensure-system.sh
+	bash scripts/ensure-system.sh
+	@mkdir -p $(VENV) && touch $@
+
+$(STAMP): pyproject.toml $(SYSTEM)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+runtime: $(STAMP)
+	$(BIN)/shoal runtime build
+
+clean:
+	rm -rf $(VENV) .pytest_cache

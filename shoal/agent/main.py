@@ -1,0 +1,170 @@
+"""The agent's entry point: serve calls from the host until the channel closes.
+
+The agent is the sandbox's only long-lived process besides bubblewrap's init.
+It reads one call at a time from the channel (the host serializes calls to a
+session), runs it, streams its output and answers with one ``done`` frame.
+Timeouts are enforced here, next to the code, so that a Python call can be
+interrupted without losing the interpreter; the host keeps a backstop that
+destroys the whole sandbox if the agent itself stops answering.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+from . import produced
+from .capture import OutputCapture
+from .editor import TextEditor
+from .protocol import CHANNEL_FD, FrameError, encode, recv_frame
+from .python_repl import PythonInterpreter
+
+WORKSPACE = "/home/agent/workspace"
+MAX_PRODUCED_FILES = 50
+DEFAULT_CAP = 1024 * 1024
+
+
+class Agent:
+    def __init__(self, channel: socket.socket) -> None:
+        self._channel = channel
+        self._send_lock = threading.Lock()
+        self._capture = OutputCapture(self.send)
+        self._python = PythonInterpreter()
+        self._editor = TextEditor()
+        self._scripts = 0
+
+    def send(self, message: dict) -> None:
+        frame = encode(message)
+        with self._send_lock:
+            self._channel.sendall(frame)
+
+    def serve(self) -> None:
+        self.send({"type": "ready", "pid": os.getpid()})
+        while True:
+            try:
+                message = recv_frame(self._channel)
+            except FrameError:
+                return
+            if message is None:
+                return
+            call_id = message.get("id")
+            try:
+                result = self._dispatch(message)
+            except Exception as exc:  # the agent must outlive any one call
+                result = {"return_code": 1, "error": f"agent error: {exc!r}"}
+            result.update(id=call_id, type="done")
+            self.send(result)
+            if message.get("op") == "exit":
+                return
+
+    def _dispatch(self, message: dict) -> dict:
+        op = message.get("op")
+        cap = _positive_int(message.get("cap"), DEFAULT_CAP)
+        timeout = max(0.001, float(message.get("timeout") or 60))
+        if op == "ping" or op == "exit":
+            return {"return_code": 0}
+        if op == "preload":
+            return {"return_code": 0, "failed": self._python.preload(list(message["modules"]))}
+        if op == "python":
+            return self._captured(message, cap, lambda: self._run_python(message["code"], timeout))
+        if op == "bash":
+            argv = ["/bin/bash", "-c", message["command"]]
+            return self._captured(message, cap, lambda: self._run_process(argv, timeout))
+        if op == "javascript":
+            argv = ["node", self._write_script(message["code"])]
+            return self._captured(message, cap, lambda: self._run_process(argv, timeout))
+        if op == "edit":
+            before = produced.snapshot()
+            result = self._editor.run(message.get("request") or {})
+            result["stdout"] = result["stdout"][:cap]
+            result["files"] = produced.produced_since(before, MAX_PRODUCED_FILES)
+            return result
+        return {"return_code": 1, "error": f"unknown op {op!r}"}
+
+    def _captured(self, message: dict, cap: int, run) -> dict:
+        before = produced.snapshot()
+        self._capture.begin(message.get("id"), cap)
+        try:
+            return_code, timed_out = run()
+        finally:
+            truncated = self._capture.finish()
+        return {
+            "return_code": return_code,
+            "timed_out": timed_out,
+            "truncated": truncated,
+            "files": produced.produced_since(before, MAX_PRODUCED_FILES),
+        }
+
+    def _run_python(self, code: str, timeout: float) -> tuple[int, bool]:
+        return_code, timed_out = self._python.run(code, timeout)
+        self._python.save_open_figures()
+        if timed_out:
+            _kill_everything_else()
+        return return_code, timed_out
+
+    @staticmethod
+    def _run_process(argv: list[str], timeout: float) -> tuple[int, bool]:
+        try:
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=WORKSPACE,
+                                       start_new_session=True)
+        except OSError as exc:
+            os.write(2, f"could not start {argv[0]}: {exc}\n".encode())
+            return 127, False
+        try:
+            return_code = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            process.wait()
+            return 124, True
+        if return_code < 0:
+            return_code = 128 - return_code
+        return return_code, False
+
+    def _write_script(self, code: str) -> str:
+        self._scripts += 1
+        path = f"/tmp/.shoal-script-{self._scripts}.js"
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(code)
+        return path
+
+
+def _positive_int(value: object, default: int) -> int:
+    return value if isinstance(value, int) and value > 0 else default
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _kill_everything_else() -> None:
+    """Stop every process in the sandbox but bubblewrap's init and the agent."""
+    keep = {1, os.getpid()}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in keep:
+            try:
+                os.kill(int(name), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def main() -> None:
+    fd = int(sys.argv[1]) if len(sys.argv) > 1 else CHANNEL_FD
+    channel = socket.socket(fileno=fd)
+    os.set_inheritable(fd, False)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    Agent(channel).serve()
+
+
+if __name__ == "__main__":
+    main()

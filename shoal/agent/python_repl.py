@@ -1,0 +1,165 @@
+"""The session's persistent Python interpreter.
+
+Runs each call's source in one long-lived namespace, so variables, imports and
+functions survive between calls, and behaves like a REPL cell: the value of a
+final expression is printed, an exception prints its traceback (without the
+agent's own frames) and gives return code 1, and ``sys.exit(n)`` gives ``n``
+while the interpreter and its state live on.
+
+Timeouts arrive as SIGALRM and are raised as ``KeyboardInterrupt`` inside user
+code only, so an expiry never lands in the agent's own bookkeeping and the
+namespace survives the interruption.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import linecache
+import os
+import signal
+import sys
+import traceback
+import warnings
+
+OUTPUTS_DIR = "/mnt/user-data/outputs"
+
+
+class CallTimedOut(KeyboardInterrupt):
+    """Raised into user code when the call's time is up."""
+
+
+class PythonInterpreter:
+    def __init__(self) -> None:
+        self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
+        self._cells = 0
+        self._in_user_code = False
+        self._timed_out = False
+        signal.signal(signal.SIGALRM, self._on_alarm)
+        signal.signal(signal.SIGINT, self._on_interrupt)
+        # Figures are collected after every call; Agg's show() has nothing to show.
+        warnings.filterwarnings("ignore", message=".*non-interactive.*")
+
+    # -- signals -----------------------------------------------------------
+    def _on_alarm(self, signum, frame) -> None:
+        self._timed_out = True
+        if self._in_user_code:
+            # Re-arm: code that swallows the first interrupt gets another.
+            signal.setitimer(signal.ITIMER_REAL, 1.0)
+            raise CallTimedOut()
+
+    def _on_interrupt(self, signum, frame) -> None:
+        if self._in_user_code:
+            raise KeyboardInterrupt()
+
+    # -- running -------------------------------------------------------------
+    def preload(self, modules: list[str]) -> list[str]:
+        """Import heavy modules ahead of time; they stay out of the namespace."""
+        failed = []
+        for name in modules:
+            try:
+                __import__(name)
+            except Exception:
+                failed.append(name)
+        return failed
+
+    def run(self, source: str, timeout: float) -> tuple[int, bool]:
+        """Run one cell; returns (return_code, timed_out)."""
+        self._cells += 1
+        filename = f"<cell-{self._cells}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        self._timed_out = False
+        try:
+            body, last = self._compile(source, filename)
+        except SyntaxError as exc:
+            # The parser's own frames say nothing useful to the user.
+            traceback.print_exception(type(exc), exc, None, file=sys.stderr)
+            _flush_std_streams()
+            return 1, False
+        return_code = 0
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            self._in_user_code = True
+            try:
+                exec(body, self.namespace)
+                if last is not None:
+                    value = eval(last, self.namespace)
+                    if value is not None:
+                        self.namespace["_"] = value
+                        print(repr(value))
+            finally:
+                self._in_user_code = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except CallTimedOut:
+            return 124, True
+        except SystemExit as exc:
+            return_code = _exit_code(exc)
+        except BaseException:
+            self._print_exception(skip_frames=1)
+            return_code = 1
+        finally:
+            _flush_std_streams()
+        if self._timed_out:
+            return 124, True
+        return return_code, False
+
+    def save_open_figures(self) -> None:
+        """Write every open matplotlib figure into outputs as a PNG, then close it."""
+        pyplot = sys.modules.get("matplotlib.pyplot")
+        if pyplot is None:
+            return
+        try:
+            numbers = pyplot.get_fignums()
+        except Exception:
+            return
+        for number in numbers:
+            try:
+                figure = pyplot.figure(number)
+                figure.savefig(_next_figure_path(), format="png")
+            except Exception as exc:
+                print(f"could not save figure {number}: {exc}", file=sys.stderr)
+        if numbers:
+            pyplot.close("all")
+        _flush_std_streams()
+
+    @staticmethod
+    def _compile(source: str, filename: str):
+        tree = ast.parse(source, filename, "exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            expression = ast.Expression(tree.body.pop().value)
+            last = compile(expression, filename, "eval")
+        return compile(tree, filename, "exec"), last
+
+    @staticmethod
+    def _print_exception(skip_frames: int) -> None:
+        kind, value, tb = sys.exc_info()
+        for _ in range(skip_frames):
+            if tb is not None:
+                tb = tb.tb_next
+        traceback.print_exception(kind, value, tb, file=sys.stderr)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF if code >= 0 else 1
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _flush_std_streams() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def _next_figure_path() -> str:
+    number = 1
+    while os.path.exists(os.path.join(OUTPUTS_DIR, f"figure_{number}.png")):
+        number += 1
+    return os.path.join(OUTPUTS_DIR, f"figure_{number}.png")

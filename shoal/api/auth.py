@@ -1,0 +1,78 @@
+"""Bearer tokens and the tenants they stand for.
+
+With no tokens configured the server is open (and says so at start-up). With
+tokens, every route but ``/health`` needs ``Authorization: Bearer <token>``,
+and the token decides the tenant whose sessions the caller may see. A tokens
+file that cannot be read, or holds no token, stops the server rather than
+silently opening it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+from fastapi import HTTPException, Request
+
+OPEN_TENANT = "default"
+
+
+class TokenConfigError(ValueError):
+    """The token setting is malformed; the server refuses to start."""
+
+
+class TokenTable:
+    def __init__(self, tokens: dict[str, str]) -> None:
+        self._tokens = tokens
+
+    @classmethod
+    def parse(cls, setting: str) -> "TokenTable":
+        setting = setting.strip()
+        if not setting:
+            return cls({})
+        if setting.startswith("@"):
+            path = Path(setting[1:])
+            try:
+                lines = path.read_text().splitlines()
+            except OSError as exc:
+                raise TokenConfigError(f"cannot read tokens file {path}: {exc.strerror}") from None
+            pairs = [line.strip() for line in lines
+                     if line.strip() and not line.strip().startswith("#")]
+            if not pairs:
+                raise TokenConfigError(f"tokens file {path} holds no token")
+        else:
+            pairs = [pair.strip() for pair in setting.split(",") if pair.strip()]
+        tokens = {}
+        for pair in pairs:
+            token, separator, tenant = pair.partition("=")
+            if not separator or not token.strip() or not tenant.strip():
+                raise TokenConfigError("each token must be written 'token=tenant'")
+            tokens[token.strip()] = tenant.strip()
+        return cls(tokens)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tokens)
+
+    def tenant_for(self, token: str) -> str | None:
+        found = None
+        for known, tenant in self._tokens.items():
+            # Compare against every token, so timing says nothing about which matched.
+            if hmac.compare_digest(known.encode(), token.encode()):
+                found = tenant
+        return found
+
+
+def tenant_of(request: Request) -> str:
+    """FastAPI dependency: the caller's tenant, or 401."""
+    table: TokenTable = request.app.state.tokens
+    if not table.enabled:
+        return OPEN_TENANT
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    tenant = table.tenant_for(token.strip()) if scheme.lower() == "bearer" and token else None
+    if tenant is None:
+        raise HTTPException(401, "missing or invalid bearer token",
+                            headers={"WWW-Authenticate": "Bearer"})
+    request.state.tenant = tenant
+    return tenant

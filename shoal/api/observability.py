@@ -1,0 +1,89 @@
+"""Health, Prometheus metrics and one structured log line per request.
+
+``/health`` answers without a token so load balancers can probe it; metrics
+carry no tenant data but still sit behind the token where one is configured.
+The access log is at INFO, so it is silent under the default WARNING level and
+costs a request nothing then.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from fastapi import APIRouter, Depends, Request, Response
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
+
+from shoal.sessions import ExecResult
+
+from .auth import tenant_of
+
+router = APIRouter()
+access_log = logging.getLogger("shoal.access")
+
+
+class Metrics:
+    def __init__(self, manager) -> None:
+        self.registry = CollectorRegistry()
+        self.exec_seconds = Histogram(
+            "shoal_exec_seconds", "Time to run one call, by tool kind", ["tool"],
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                     5, 10, 30, 60, 300))
+        self.limits_fired = Counter("shoal_limits_fired", "Calls a resource limit stopped or cut",
+                                    ["limit"], registry=self.registry)
+        sessions = Gauge("shoal_sessions_live", "Sessions leased now", registry=self.registry)
+        sessions.set_function(lambda: manager.live)
+        ready = Gauge("shoal_pool_ready", "Warm sandboxes ready to lease", registry=self.registry)
+        ready.set_function(lambda: manager.pool.ready_count)
+
+    def observe_exec(self, tool: str, result: ExecResult) -> None:
+        self.exec_seconds.labels(tool).observe(result.execution_time_ms / 1000)
+        for limit in result.limits:
+            self.limits_fired.labels(limit.value).inc()
+
+
+@router.get("/health", summary="Liveness and capacity")
+async def health(request: Request) -> Response:
+    manager = request.app.state.manager
+    body = {"status": "ok", "sessions": manager.live,
+            "max_sessions": manager.settings.max_sessions,
+            "pool_ready": manager.pool.ready_count}
+    return Response(json.dumps(body), media_type="application/json")
+
+
+@router.get("/metrics", summary="Prometheus metrics", dependencies=[Depends(tenant_of)])
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry),
+                    media_type=CONTENT_TYPE_LATEST)
+
+
+class AccessLog:
+    """ASGI middleware: one JSON line per request, only when INFO is enabled."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not access_log.isEnabledFor(logging.INFO):
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def record_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record_status)
+        finally:
+            access_log.info(json.dumps({
+                "method": scope["method"], "path": scope["path"], "status": status,
+                "ms": round((time.perf_counter() - started) * 1000, 2),
+                "tenant": scope.get("state", {}).get("tenant"),
+            }))

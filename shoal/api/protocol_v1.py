@@ -1,0 +1,258 @@
+"""The code-execution protocol, contract version 1 (``/sessions``).
+
+Parses each request by the contract's own rules (an unknown tool kind is a
+400, a malformed input a 422, and the text editor's fields are checked per
+command), runs it through the sessions layer and renders the internal result
+as the contract's envelope: ``{tool_use_id, result_block, execution_time_ms}``
+with a ``code_execution_result`` payload, never an error variant.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from urllib.parse import quote
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from shoal.sessions import ExecResult, Session, SessionManager, guess_mime_type
+
+from ._uploads import read_upload
+from .auth import tenant_of
+from .errors import BadRequest
+
+router = APIRouter()
+
+# Contract tool kind -> (sessions-layer tool, result block type)
+TOOL_KINDS = {
+    "code_execution": ("python", "code_execution_tool_result"),
+    "bash_code_execution": ("bash", "bash_code_execution_tool_result"),
+    "text_editor_code_execution": ("edit", "text_editor_code_execution_tool_result"),
+}
+EDITOR_COMMANDS = ("view", "create", "str_replace", "insert", "undo_edit")
+_SMALL_FILE_BYTES = 1024 * 1024
+
+
+def _json(payload: object, status: int = 200) -> Response:
+    return Response(json.dumps(payload, ensure_ascii=False), status_code=status,
+                    media_type="application/json")
+
+
+def _manager(request: Request) -> SessionManager:
+    return request.app.state.manager
+
+
+async def _json_body(request: Request, required: bool) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise BadRequest(422, "a JSON object body is required")
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(422, f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(422, "body must be a JSON object")
+    return body
+
+
+def _optional_positive_int(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(422, f"{name} must be an integer")
+    if value < 1:
+        raise BadRequest(422, f"{name} must be at least 1")
+    return value
+
+
+def handle(session: Session) -> dict:
+    return {
+        "session_id": session.id,
+        "idle_timeout_seconds": session.idle_timeout_seconds,
+        "max_lifetime_seconds": session.max_lifetime_seconds,
+        "created_at": session.created_at,
+        "last_activity_at": session.last_activity_at,
+        "expires_at": min(session.last_activity_at + session.idle_timeout_seconds,
+                          session.created_at + session.max_lifetime_seconds),
+    }
+
+
+# -- sessions ------------------------------------------------------------------------
+@router.post("/sessions", status_code=201, summary="Lease a session")
+async def create_session(request: Request, tenant: str = Depends(tenant_of)) -> Response:
+    body = await _json_body(request, required=False)
+    idle = _optional_positive_int(body, "idle_timeout_seconds")
+    lifetime = _optional_positive_int(body, "max_lifetime_seconds")
+    image = body.get("image") if isinstance(body.get("image"), str) else None
+    session = await _manager(request).create(tenant, idle, lifetime, image)
+    return _json(handle(session), 201)
+
+
+@router.get("/sessions/{session_id}", summary="The session's handle, refreshed")
+async def get_session(session_id: str, request: Request,
+                      tenant: str = Depends(tenant_of)) -> Response:
+    return _json(handle(_manager(request).get(tenant, session_id)))
+
+
+@router.delete("/sessions/{session_id}", status_code=204, summary="Release a session")
+async def destroy_session(session_id: str, request: Request,
+                          tenant: str = Depends(tenant_of)) -> Response:
+    await _manager(request).destroy(tenant, session_id)
+    return Response(status_code=204)
+
+
+# -- exec --------------------------------------------------------------------------------
+def parse_exec(body: dict) -> tuple[str, str, dict, int | None, str]:
+    """(contract tool kind, sessions tool, payload, timeout, tool_use_id) or BadRequest."""
+    kind = body.get("tool")
+    if kind is None:
+        raise BadRequest(422, "tool is required")
+    if not isinstance(kind, str):
+        raise BadRequest(422, "tool must be a string")
+    if kind not in TOOL_KINDS:
+        raise BadRequest(400, f"unknown tool kind {kind!r}; expected one of "
+                              f"{', '.join(TOOL_KINDS)}")
+    tool = TOOL_KINDS[kind][0]
+    payload = body.get("input")
+    if not isinstance(payload, dict):
+        raise BadRequest(422, "input must be a JSON object")
+    timeout = _optional_positive_int(body, "timeout_seconds")
+    tool_use_id = body.get("tool_use_id")
+    if tool_use_id is not None and not isinstance(tool_use_id, str):
+        raise BadRequest(422, "tool_use_id must be a string")
+    if not tool_use_id:
+        tool_use_id = "srvtoolu_" + secrets.token_hex(12)
+    if tool == "python":
+        _require_text(payload, "code", kind)
+    elif tool == "bash":
+        _require_text(payload, "command", kind)
+    else:
+        _check_editor_input(payload)
+    return kind, tool, payload, timeout, tool_use_id
+
+
+def _require_text(payload: dict, field: str, kind: str, allow_empty: bool = False) -> None:
+    value = payload.get(field)
+    if not isinstance(value, str) or (not allow_empty and not value):
+        raise BadRequest(422, f"input.{field} is required for {kind} and must be a "
+                              f"{'string' if allow_empty else 'non-empty string'}")
+
+
+def _check_editor_input(payload: dict) -> None:
+    command = payload.get("command")
+    if command not in EDITOR_COMMANDS:
+        raise BadRequest(422, f"input.command must be one of {', '.join(EDITOR_COMMANDS)}")
+    kind = f"text_editor_code_execution {command}"
+    _require_text(payload, "path", kind)
+    if command == "create":
+        _require_text(payload, "file_text", kind, allow_empty=True)
+    elif command == "str_replace":
+        _require_text(payload, "old_str", kind)
+        _require_text(payload, "new_str", kind, allow_empty=True)
+    elif command == "insert":
+        line = payload.get("insert_line")
+        if isinstance(line, bool) or not isinstance(line, int):
+            raise BadRequest(422, f"input.insert_line is required for {kind} and must be an integer")
+        text = payload.get("new_str", payload.get("insert_text"))
+        if not isinstance(text, str):
+            raise BadRequest(422, f"input.new_str (or insert_text) is required for {kind}")
+    view_range = payload.get("view_range")
+    if view_range is not None and not (
+            isinstance(view_range, list) and len(view_range) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in view_range)):
+        raise BadRequest(422, "input.view_range must be a list of two integers")
+
+
+def render_exec(kind: str, tool_use_id: str, result: ExecResult) -> dict:
+    block_type = TOOL_KINDS[kind][1]
+    return {
+        "tool_use_id": tool_use_id,
+        "result_block": {
+            "type": block_type,
+            "tool_use_id": tool_use_id,
+            "content": {
+                "type": "code_execution_result",
+                "stdout": result.stdout,
+                "stderr": result.stderr,
+                "return_code": result.return_code,
+                "content": [{"type": "code_execution_output", "file_id": f.file_id,
+                             "filename": f.filename} for f in result.files],
+            },
+        },
+        "execution_time_ms": result.execution_time_ms,
+        "limits": [limit.value for limit in result.limits],
+        "interpreter_restarted": result.restarted,
+    }
+
+
+@router.post("/sessions/{session_id}/exec", summary="Run one tool call in a session")
+async def execute(session_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
+    session = _manager(request).get(tenant, session_id)
+    kind, tool, payload, timeout, tool_use_id = parse_exec(await _json_body(request, True))
+    result = await session.run(tool, payload, timeout)
+    request.app.state.metrics.observe_exec(kind, result)
+    return _json(render_exec(kind, tool_use_id, result))
+
+
+# -- files ---------------------------------------------------------------------------------
+@router.get("/sessions/{session_id}/files/list", summary="Enumerate a session's workspace")
+async def list_files(session_id: str, request: Request, path: str = Query("."),
+                     tenant: str = Depends(tenant_of)) -> Response:
+    session = _manager(request).get(tenant, session_id)
+    entries = await run_in_threadpool(session.list_files, path or ".")
+    return _json({"files": [{"path": e.path.relative, "size_bytes": e.size,
+                             "mime_type": e.mime_type, "modified_at": e.modified_at}
+                            for e in entries]})
+
+
+@router.get("/sessions/{session_id}/files", summary="Read one file from the workspace")
+async def get_file(session_id: str, request: Request, path: str = Query(..., min_length=1),
+                   tenant: str = Depends(tenant_of)) -> Response:
+    session = _manager(request).get(tenant, session_id)
+    sandbox_path, handle_, size = await run_in_threadpool(session.open_file, path)
+    name = sandbox_path.parts[-1]
+    headers = {"content-disposition": _attachment(name)}
+    media_type = guess_mime_type(name)
+    if size <= _SMALL_FILE_BYTES:
+        with handle_:
+            data = await run_in_threadpool(handle_.read)
+        return Response(data, media_type=media_type, headers=headers)
+
+    def chunks():
+        with handle_:
+            while chunk := handle_.read(1 << 20):
+                yield chunk
+
+    headers["content-length"] = str(size)
+    return StreamingResponse(chunks(), media_type=media_type, headers=headers)
+
+
+@router.post("/sessions/{session_id}/files", status_code=201,
+             summary="Write one file into the workspace")
+async def put_file(session_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    session = manager.get(tenant, session_id)
+    upload, fields = await read_upload(request, manager.settings.max_file_bytes)
+    try:
+        path = fields.get("path") or _name_of_upload(upload.filename)
+        sandbox_path, size = await run_in_threadpool(session.write_file, path, upload.file)
+    finally:
+        await upload.close()
+    return _json({"path": sandbox_path.relative, "size_bytes": size}, 201)
+
+
+def _name_of_upload(filename: str | None) -> str:
+    name = (filename or "").replace("\\", "/").rsplit("/", 1)[-1]
+    if name in ("", ".", ".."):
+        raise BadRequest(422, "give a 'path' field, or a file name in the 'file' part")
+    return name
+
+
+def _attachment(name: str) -> str:
+    ascii_name = name.encode("ascii", "replace").decode().replace('"', "_")
+    return f"attachment; filename=\"{ascii_name}\"; filename*=utf-8''{quote(name)}"

@@ -1,0 +1,69 @@
+"""Every setting Shoal has, with its default, read from ``SHOAL_*`` variables.
+
+One flat settings object keeps the mapping between a flag and its environment
+variable mechanical: ``--pool-size`` is ``SHOAL_POOL_SIZE``. The command line
+(:mod:`shoal.cli`) generates its flags from these fields, so a setting is added
+here once and is documented in ``shoal serve --help`` for free.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1024 * 1024
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SHOAL_", extra="ignore")
+
+    # -- serving ---------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8080, ge=0, le=65535, description="Port to listen on.")
+    data_dir: Path = Field(Path("/var/lib/shoal"), description="Where metadata and files live.")
+    tokens: str = Field("", description="Bearer tokens: 'tok1=tenant-a,tok2=tenant-b', "
+                                        "or '@/path/file' with one 'token=tenant' per line. "
+                                        "Empty: no authentication.")
+    log_level: str = Field("warning", description="Log level: debug, info, warning, error.")
+    shutdown_grace_seconds: float = Field(10.0, ge=0, description="How long SIGTERM waits "
+                                                                  "for running calls.")
+
+    # -- sessions --------------------------------------------------------------
+    max_sessions: int = Field(64, ge=1, description="Live sessions at most; more answer 503.")
+    idle_timeout_seconds: int = Field(600, ge=1, description="Default idle timeout.")
+    max_idle_timeout_seconds: int = Field(3600, ge=1, description="Ceiling for idle timeout hints.")
+    max_lifetime_seconds: int = Field(3600, ge=1, description="Default maximum lifetime.")
+    max_lifetime_ceiling_seconds: int = Field(86400, ge=1, description="Ceiling for lifetime hints.")
+    reaper_interval_seconds: float = Field(5.0, gt=0, description="How often expired sessions "
+                                                                  "are reclaimed.")
+
+    # -- execution -------------------------------------------------------------
+    default_timeout_seconds: int = Field(60, ge=1, description="Timeout of a call that names none.")
+    max_timeout_seconds: int = Field(300, ge=1, description="Ceiling a call's timeout is clamped to.")
+    output_cap_bytes: int = Field(1 * MiB, ge=1024, description="Cap on each output stream.")
+    max_file_bytes: int = Field(50 * MiB, ge=1, description="Largest file accepted or served.")
+
+    # -- the sandbox -----------------------------------------------------------
+    pool_size: int = Field(4, ge=0, description="Warm sandboxes kept ready to lease.")
+    preload_modules: str = Field("numpy,pandas", description="Modules imported in every warm "
+                                                             "sandbox before it is leased.")
+    memory_limit_mib: int = Field(1024, ge=16, description="Memory limit per sandbox.")
+    pids_limit: int = Field(256, ge=8, description="Processes and threads per sandbox.")
+    cpu_limit: float = Field(1.0, gt=0, description="CPU cores per sandbox (a CFS quota).")
+    tmp_size_mib: int = Field(256, ge=1, description="Size of the sandbox's /tmp and /dev/shm.")
+    uid_base: int = Field(200000, ge=1000, description="First uid handed to sandboxes.")
+    uid_count: int = Field(4096, ge=1, description="How many uids sandboxes may use.")
+    runtime_dir: Path = Field(Path("/var/cache/shoal/runtime"),
+                              description="Cache of built runtime environments.")
+    run_dir: Path = Field(Path("/run/shoal"), description="Per-sandbox scratch directories.")
+
+    @field_validator("preload_modules")
+    @classmethod
+    def _strip_modules(cls, value: str) -> str:
+        return ",".join(part.strip() for part in value.split(",") if part.strip())
+
+    @property
+    def preload(self) -> list[str]:
+        return [name for name in self.preload_modules.split(",") if name]

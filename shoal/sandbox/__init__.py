@@ -1,0 +1,20 @@
+"""The sandbox runtime: isolated, warm, stateful sandboxes and their results.
+
+The layer above leases a :class:`Sandbox` from a :class:`SandboxPool` and gets
+an :class:`ExecResult` back from every call; nothing else here is public.
+"""
+
+from .files import (FileAccessError, FileEntry, FileMissing, FileTooLarge, IsDirectory,
+                    PathOutside, SandboxFiles, SandboxPath, guess_mime_type, parse_path)
+from .pool import SandboxPool
+from .preflight import IsolationUnavailable
+from .result import ExecResult, Limit, ProducedFile, decode_file_id, encode_file_id
+from .runtime import RuntimeMissing
+from .sandbox import Sandbox, SandboxClosed
+
+__all__ = [
+    "FileAccessError", "FileEntry", "FileMissing", "FileTooLarge", "IsDirectory",
+    "PathOutside", "SandboxFiles", "SandboxPath", "guess_mime_type", "parse_path",
+    "ExecResult", "IsolationUnavailable", "Limit", "ProducedFile", "RuntimeMissing",
+    "Sandbox", "SandboxClosed", "SandboxPool", "decode_file_id", "encode_file_id",
+]

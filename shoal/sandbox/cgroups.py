@@ -1,0 +1,257 @@
+"""Control groups: memory, pids and CPU limits per sandbox, and a clean kill.
+
+Hosts differ: some mount cgroup v1 with one hierarchy per controller (as on the
+machines this project was measured on), modern ones are v2-only. Both are
+supported behind one small ``Cgroup`` handle. Where a v2 hierarchy exists next
+to v1 (hybrid mode) it is used as well, for ``cgroup.kill``, which empties a
+group in one write instead of a race against forks.
+
+Processes are attached by writing their pid into each ``cgroup.procs`` file; the
+launcher does that from the process itself before it execs bubblewrap, so every
+process of the sandbox is charged from its first instruction.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+V1_CONTROLLERS = ("memory", "pids", "cpu")
+_GROUP_PREFIX = "shoal"
+
+
+class CgroupUnavailable(RuntimeError):
+    """The host cannot give sandboxes the limits they need."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory_bytes: int
+    pids: int
+    cpu_cores: float
+
+
+def _mounts() -> list[tuple[str, str, list[str]]]:
+    """(mount point, fs type, super options) for each cgroup mount."""
+    found = []
+    with open("/proc/self/mountinfo") as handle:
+        for line in handle:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            fstype, _source, options = right.split()[:3]
+            if fstype in ("cgroup", "cgroup2"):
+                found.append((fields[4], fstype, options.split(",")))
+    return found
+
+
+def _own_path(controller: str | None) -> str:
+    """Our process's cgroup path in a v1 controller's hierarchy, or in v2 (None)."""
+    with open("/proc/self/cgroup") as handle:
+        for line in handle:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            names = controllers.split(",") if controllers else []
+            if (controller is None and controllers == "") or (controller in names):
+                return path
+    return "/"
+
+
+class Cgroup:
+    """One sandbox's cgroup, present in every hierarchy Shoal uses."""
+
+    def __init__(self, directories: dict[str, Path], version: int) -> None:
+        self.directories = directories  # controller (or "unified") -> directory
+        self.version = version
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(directory / "cgroup.procs") for directory in self.directories.values()]
+
+    def _file(self, controller: str, name: str) -> Path:
+        key = controller if self.version == 1 else "unified"
+        return self.directories[key] / name
+
+    def pids(self) -> list[int]:
+        directory = next(iter(self.directories.values()))
+        try:
+            text = (directory / "cgroup.procs").read_text()
+        except OSError:
+            return []
+        return [int(pid) for pid in text.split()]
+
+    def oom_kills(self) -> int:
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        return _read_counter(self._file("memory", name), "oom_kill")
+
+    def pids_limit_hits(self) -> int:
+        return _read_counter(self._file("pids", "pids.events"), "max")
+
+    def memory_bytes(self) -> int:
+        name = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
+        try:
+            return int(self._file("memory", name).read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def kill(self, timeout: float = 5.0) -> None:
+        """Kill every process in the group and wait until it is empty."""
+        unified = self.directories.get("unified")
+        kill_file = unified / "cgroup.kill" if unified else None
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = self.pids()
+            if not pids:
+                return
+            if kill_file is not None and kill_file.exists():
+                try:
+                    kill_file.write_text("1")
+                except OSError:
+                    kill_file = None
+            if kill_file is None:
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"processes {pids} survived SIGKILL")
+            time.sleep(0.001)
+
+    def remove(self) -> None:
+        """Remove the group's directories; the group must be empty."""
+        for directory in self.directories.values():
+            for attempt in range(200):
+                try:
+                    directory.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    # Exited processes linger as zombies for a moment.
+                    time.sleep(0.005)
+
+
+class CgroupManager:
+    """Creates sandbox cgroups in whichever hierarchy this host offers."""
+
+    def __init__(self) -> None:
+        mounts = _mounts()
+        v1 = {}
+        unified = None
+        for point, fstype, options in mounts:
+            if fstype == "cgroup2":
+                unified = Path(point)
+            else:
+                for controller in V1_CONTROLLERS:
+                    if controller in options:
+                        v1[controller] = Path(point)
+        self._parents: dict[str, Path] = {}
+        if all(controller in v1 for controller in V1_CONTROLLERS):
+            self.version = 1
+            for controller, point in v1.items():
+                self._parents[controller] = _join(point, _own_path(controller)) / _GROUP_PREFIX
+            if unified is not None:
+                self._parents["unified"] = _join(unified, _own_path(None)) / _GROUP_PREFIX
+        elif unified is not None:
+            self.version = 2
+            self._parents["unified"] = self._prepare_v2(unified)
+        else:
+            raise CgroupUnavailable(
+                "no usable cgroup hierarchy: need cgroup v1 memory, pids and cpu controllers "
+                "or cgroup v2 with them (mount cgroup2 on /sys/fs/cgroup)")
+        for parent in self._parents.values():
+            try:
+                parent.mkdir(exist_ok=True)
+            except OSError as exc:
+                raise CgroupUnavailable(f"cannot create {parent}: {exc.strerror}; "
+                                        "Shoal must run as root to manage cgroups") from None
+        if self.version == 2:
+            _enable_v2_controllers(self._parents["unified"])
+        elif "unified" in self._parents and not (self._parents["unified"] / "cgroup.kill").exists():
+            # A hybrid v2 hierarchy is only worth joining for cgroup.kill (kernel >= 5.14).
+            del self._parents["unified"]
+
+    @staticmethod
+    def _prepare_v2(unified: Path) -> Path:
+        own = _join(unified, _own_path(None))
+        available = set((own / "cgroup.controllers").read_text().split())
+        missing = {"memory", "pids", "cpu"} - available
+        if missing:
+            raise CgroupUnavailable(
+                f"cgroup v2 at {own} lacks the {', '.join(sorted(missing))} controller(s); "
+                "delegate them to Shoal's cgroup (e.g. systemd Delegate=yes)")
+        # v2 forbids processes in a group whose children get controllers, so
+        # the server moves itself into a leaf beside the sandboxes.
+        if not (own / "cgroup.subtree_control").read_text().split():
+            leaf = own / "shoal-server"
+            leaf.mkdir(exist_ok=True)
+            for pid in (own / "cgroup.procs").read_text().split():
+                try:
+                    (leaf / "cgroup.procs").write_text(pid)
+                except OSError:
+                    pass
+            _enable_v2_controllers(own)
+        return own / _GROUP_PREFIX
+
+    def create(self, name: str, limits: Limits) -> Cgroup:
+        directories = {key: parent / name for key, parent in self._parents.items()}
+        for directory in directories.values():
+            directory.mkdir(exist_ok=True)
+        group = Cgroup(directories, self.version)
+        period = 100_000
+        quota = max(1000, int(limits.cpu_cores * period))
+        if self.version == 1:
+            memory = directories["memory"]
+            (memory / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+            swap = memory / "memory.memsw.limit_in_bytes"
+            if swap.exists():
+                swap.write_text(str(limits.memory_bytes))
+            (directories["pids"] / "pids.max").write_text(str(limits.pids))
+            (directories["cpu"] / "cpu.cfs_period_us").write_text(str(period))
+            (directories["cpu"] / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            unified = directories["unified"]
+            (unified / "memory.max").write_text(str(limits.memory_bytes))
+            swap = unified / "memory.swap.max"
+            if swap.exists():
+                swap.write_text("0")
+            (unified / "pids.max").write_text(str(limits.pids))
+            (unified / "cpu.max").write_text(f"{quota} {period}")
+        return group
+
+    def leftovers(self) -> list[Path]:
+        """Sandbox groups that still exist; empty when everything was cleaned up."""
+        found = []
+        for parent in self._parents.values():
+            if parent.is_dir():
+                found.extend(p for p in parent.iterdir() if p.is_dir())
+        return found
+
+
+def _join(mount_point: Path, cgroup_path: str) -> Path:
+    return mount_point / cgroup_path.lstrip("/")
+
+
+def _enable_v2_controllers(directory: Path) -> None:
+    control = directory / "cgroup.subtree_control"
+    try:
+        control.write_text("+memory +pids +cpu")
+    except OSError as exc:
+        raise CgroupUnavailable(f"cannot enable controllers in {directory}: {exc.strerror}") from None
+
+
+def _read_counter(path: Path, key: str) -> int:
+    try:
+        text = path.read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0

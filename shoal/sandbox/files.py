@@ -1,0 +1,272 @@
+"""Host-side access to a sandbox's files that no planted link can redirect.
+
+The server runs as root and the files it serves were shaped by hostile code,
+which may plant a symlink (``outputs/x -> /etc/shadow``), swap one in between
+a check and a use, or leave a FIFO where a file is expected. So every path is
+walked one component at a time with ``openat`` and ``O_NOFOLLOW`` from the
+directory we mounted, and any symlink on the way is refused: no component is
+ever resolved by the kernel on our behalf.
+
+Paths are the sandbox's own: relative ones start at the workspace, absolute
+ones must lie in the workspace, outputs or uploads. A file id (the unpadded
+base64url of an absolute sandbox path) is accepted wherever a path is.
+"""
+
+from __future__ import annotations
+
+import errno
+import mimetypes
+import os
+import secrets
+import stat
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+from .mounts import OUTPUTS, UPLOADS, WORKSPACE, SandboxHome
+from .result import decode_file_id
+
+MAX_PATH_BYTES = 4096
+MAX_LISTED = 10_000
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class FileAccessError(Exception):
+    """A file operation that cannot be done; ``status`` is the HTTP answer."""
+
+    status = 400
+
+
+class PathOutside(FileAccessError):
+    status = 403
+
+
+class FileMissing(FileAccessError):
+    status = 404
+
+
+class IsDirectory(FileAccessError):
+    status = 400
+
+
+class FileTooLarge(FileAccessError):
+    status = 413
+
+
+@dataclass(frozen=True)
+class SandboxPath:
+    """A validated path: the mount it lies in and its components below it."""
+
+    mount: str
+    parts: tuple[str, ...]
+
+    @property
+    def sandbox_path(self) -> str:
+        return "/".join((self.mount, *self.parts))
+
+    @property
+    def relative(self) -> str:
+        """As the protocol reports paths: relative to the workspace where it can be."""
+        if self.mount == WORKSPACE:
+            return "/".join(self.parts) or "."
+        return self.sandbox_path
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: SandboxPath
+    size: int
+    modified_at: float
+
+    @property
+    def mime_type(self) -> str:
+        return guess_mime_type(self.path.parts[-1] if self.path.parts else "")
+
+
+def guess_mime_type(name: str) -> str:
+    return mimetypes.guess_type(name)[0] or "application/octet-stream"
+
+
+def parse_path(raw: str, allow_file_id: bool = True) -> SandboxPath:
+    """Validate a client's path (or file id) without touching the filesystem."""
+    if not isinstance(raw, str) or not raw:
+        raise FileAccessError("path must be a non-empty string")
+    if "\x00" in raw:
+        raise FileAccessError("path must not contain NUL bytes")
+    if len(raw.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise FileAccessError(f"path is longer than {MAX_PATH_BYTES} bytes")
+    if allow_file_id and not raw.startswith("/") and "/" not in raw and "." not in raw:
+        decoded = decode_file_id(raw)
+        if decoded is not None and decoded.startswith(("/home/", "/mnt/")):
+            raw = decoded
+    mount = WORKSPACE
+    rest = raw
+    if raw.startswith("/"):
+        for candidate in (WORKSPACE, OUTPUTS, UPLOADS):
+            if raw == candidate or raw.startswith(candidate + "/"):
+                mount, rest = candidate, raw[len(candidate):]
+                break
+        else:
+            raise PathOutside(f"{raw} is outside the session's files")
+    parts = []
+    for part in rest.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            raise PathOutside("path must not contain '..'")
+        parts.append(part)
+    return SandboxPath(mount, tuple(parts))
+
+
+class SandboxFiles:
+    """Reads and writes one sandbox's files from the host, safely."""
+
+    def __init__(self, home: SandboxHome, uid: int, max_file_bytes: int) -> None:
+        self._home = home
+        self._uid = uid
+        self._max_file_bytes = max_file_bytes
+
+    # -- walking --------------------------------------------------------------
+    def _open_dir(self, mount: str, parts: tuple[str, ...], create: bool = False) -> int:
+        root = self._home.host_path_of(mount)
+        if root is None:
+            raise PathOutside(f"{mount} is not one of the session's mounts")
+        fd = os.open(root, _DIR_FLAGS)
+        try:
+            for part in parts:
+                try:
+                    next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise FileMissing(f"no such directory: {part}") from None
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.chown(part, self._uid, self._uid, dir_fd=fd, follow_symlinks=False)
+                    next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    raise _refusal(exc, part) from None
+                os.close(fd)
+                fd = next_fd
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    # -- operations -------------------------------------------------------------
+    def open_for_reading(self, path: SandboxPath) -> tuple[BinaryIO, int]:
+        """An open file and its size; the file cannot change identity once opened."""
+        if not path.parts:
+            raise IsDirectory(f"{path.relative} is a directory")
+        directory = self._open_dir(path.mount, path.parts[:-1])
+        try:
+            try:
+                fd = os.open(path.parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_CLOEXEC, dir_fd=directory)
+            except OSError as exc:
+                raise _refusal(exc, path.relative) from None
+        finally:
+            os.close(directory)
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            os.close(fd)
+            raise IsDirectory(f"{path.relative} is a directory, not a file")
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise FileAccessError(f"{path.relative} is not a regular file")
+        if info.st_size > self._max_file_bytes:
+            os.close(fd)
+            raise FileTooLarge(f"{path.relative} is larger than {self._max_file_bytes} bytes")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), info.st_size
+
+    def list(self, path: SandboxPath) -> list[FileEntry]:
+        """Regular files under a directory, recursively, without following links."""
+        directory = self._open_dir(path.mount, path.parts)
+        entries: list[FileEntry] = []
+        try:
+            for parts, info in _walk(directory, path.parts):
+                entries.append(FileEntry(SandboxPath(path.mount, parts), info.st_size,
+                                         info.st_mtime))
+                if len(entries) >= MAX_LISTED:
+                    break
+        finally:
+            os.close(directory)
+        entries.sort(key=lambda entry: entry.path.parts)
+        return entries
+
+    def write(self, path: SandboxPath, source: BinaryIO) -> int:
+        """Write ``source`` to ``path`` atomically; returns the size written.
+
+        The bytes land in a temporary name beside the target and are renamed
+        over it, so a reader never sees half a file and a failed upload leaves
+        nothing behind; ``rename`` replaces a planted symlink rather than
+        following it.
+        """
+        if path.mount == UPLOADS:
+            raise PathOutside("uploads are read-only for this operation")
+        if not path.parts:
+            raise IsDirectory("a file path is required, not a directory")
+        directory = self._open_dir(path.mount, path.parts[:-1], create=True)
+        temporary = f".shoal-upload-{secrets.token_hex(8)}"
+        written = 0
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o644, dir_fd=directory)
+            try:
+                with os.fdopen(fd, "wb") as target:
+                    while chunk := source.read(1 << 20):
+                        written += len(chunk)
+                        if written > self._max_file_bytes:
+                            raise FileTooLarge(f"file is larger than {self._max_file_bytes} bytes")
+                        target.write(chunk)
+                    os.fchown(target.fileno(), self._uid, self._uid)
+                os.rename(temporary, path.parts[-1], src_dir_fd=directory, dst_dir_fd=directory)
+            except BaseException:
+                try:
+                    os.unlink(temporary, dir_fd=directory)
+                except OSError:
+                    pass
+                raise
+        except IsADirectoryError:
+            raise IsDirectory(f"{path.relative} is a directory") from None
+        except OSError as exc:
+            if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+                raise IsDirectory(f"{path.relative} is a directory") from None
+            raise
+        finally:
+            os.close(directory)
+        return written
+
+
+def _walk(directory_fd: int, prefix: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], os.stat_result]]:
+    pending = [(os.dup(directory_fd), prefix)]
+    while pending:
+        fd, parts = pending.pop()
+        try:
+            for entry in os.scandir(fd):
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(info.st_mode):
+                    yield (*parts, entry.name), info
+                elif stat.S_ISDIR(info.st_mode):
+                    try:
+                        child = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
+                    except OSError:
+                        continue
+                    pending.append((child, (*parts, entry.name)))
+        finally:
+            os.close(fd)
+
+
+def _refusal(exc: OSError, name: str) -> FileAccessError:
+    if exc.errno == errno.ELOOP:
+        return PathOutside(f"{name} is a symbolic link; links are not followed")
+    if exc.errno == errno.ENOTDIR:
+        return FileMissing(f"{name}: a component of the path is not a directory")
+    if exc.errno == errno.ENOENT:
+        return FileMissing(f"no such file: {name}")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return PathOutside(f"{name}: permission denied")
+    if exc.errno == errno.ENAMETOOLONG:
+        return FileAccessError(f"{name}: name too long")
+    return FileAccessError(f"{name}: {exc.strerror}")

@@ -1,0 +1,144 @@
+"""Starting one sandbox process tree and opening the channel to its agent.
+
+The command line is a short chain, each link doing one thing before it execs
+the next, so the server never forks with Python code to run in the child:
+
+    sh      writes its own pid into the sandbox's cgroups (charged from birth)
+    prlimit sets rlimits, the second layer under the cgroup limits
+    setpriv drops root for the sandbox's own uid, no groups, no new privileges
+    bwrap   builds the namespaces and mounts and loads the seccomp filter
+    python  the agent, talking over an inherited socket, never stdin/stdout
+
+No shell ever parses untrusted text here: the script is a constant and every
+value arrives as its own argument.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import seccomp
+from .cgroups import Cgroup
+from .channel import Channel, ChannelClosed
+from .mounts import AGENT_ROOT, RUNTIME, SandboxHome, bwrap_arguments
+
+BWRAP = "/usr/bin/bwrap"
+SETPRIV = "/usr/bin/setpriv"
+PRLIMIT = "/usr/bin/prlimit"
+# dash exports PWD on its own; bwrap's pid 1 would keep it, readable at /proc/1/environ.
+_ATTACH_AND_EXEC = ('unset PWD OLDPWD; for f in $1; do echo $$ > "$f" || exit 97; done; '
+                    'shift; exec "$@"')
+_BOOT = (f"import sys; sys.path.insert(0, {AGENT_ROOT!r}); "
+         "from shoal_agent.main import main; main()")
+READY_TIMEOUT_SECONDS = 15.0
+
+
+class LaunchFailed(RuntimeError):
+    """A sandbox did not come up; the message carries bubblewrap's own words."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What every launch needs, resolved once when the pool starts."""
+
+    runtime: Path
+    agent_root: Path
+    skills: Path | None
+    tmp_size_bytes: int
+    pids_limit: int
+    open_files: int = 4096
+
+
+@dataclass
+class SandboxProcess:
+    popen: subprocess.Popen
+    channel: Channel
+    agent_pid: int
+
+    def close_channel(self) -> None:
+        self.channel.close()
+
+
+def command_line(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgroup,
+                 channel_fd: int, seccomp_fd: int) -> list[str]:
+    return [
+        "/bin/sh", "-c", _ATTACH_AND_EXEC, "sh", " ".join(cgroup.procs_files),
+        PRLIMIT, f"--nofile={config.open_files}", "--core=0",
+        f"--nproc={config.pids_limit}", "--",
+        SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
+        "--inh-caps=-all", "--",
+        BWRAP, *bwrap_arguments(home, config.runtime, config.agent_root, config.skills,
+                                config.tmp_size_bytes, seccomp_fd),
+        "--", f"{RUNTIME}/bin/python3", "-I", "-c", _BOOT, str(channel_fd),
+    ]
+
+
+async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgroup) -> SandboxProcess:
+    host_end, sandbox_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    seccomp_fd = seccomp.write_filter_fd()
+    errors = tempfile.TemporaryFile()
+    try:
+        os.set_inheritable(sandbox_end.fileno(), True)
+        argv = command_line(config, home, uid, cgroup, sandbox_end.fileno(), seccomp_fd)
+        popen = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
+            env={}, cwd="/", pass_fds=(sandbox_end.fileno(), seccomp_fd), start_new_session=True)
+    finally:
+        sandbox_end.close()
+        os.close(seccomp_fd)
+    channel = None
+    try:
+        channel = await Channel.open(host_end)
+        hello = await asyncio.wait_for(channel.receive(), READY_TIMEOUT_SECONDS)
+    except BaseException as exc:
+        if channel is not None:
+            channel.close()
+        else:
+            host_end.close()
+        await asyncio.shield(asyncio.to_thread(stop_process_tree, popen, cgroup))
+        errors.seek(0)
+        detail = errors.read(4000).decode(errors="replace").strip()
+        errors.close()
+        if isinstance(exc, (ChannelClosed, asyncio.TimeoutError)):
+            raise LaunchFailed(f"sandbox did not start (exit status {popen.returncode}): "
+                               f"{detail or 'no diagnostics'}") from None
+        raise
+    errors.close()
+    agent_pid = hello.get("pid") if isinstance(hello.get("pid"), int) else 0
+    return SandboxProcess(popen=popen, channel=channel, agent_pid=agent_pid)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as handle:
+            return [int(child) for child in handle.read().split()]
+    except OSError:
+        return []
+
+
+def stop_process_tree(popen: subprocess.Popen, cgroup: Cgroup) -> None:
+    """Kill a sandbox's processes and reap the ones that are ours to reap.
+
+    bubblewrap's init goes first: the kernel then ends its whole pid namespace,
+    the outer bwrap reaps it and exits, and nothing is orphaned to the host's
+    init as a zombie. The cgroup sweep catches anything that got away.
+    """
+    for child in _children(popen.pid):
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        popen.wait(2)
+    except subprocess.TimeoutExpired:
+        pass
+    cgroup.kill()
+    popen.kill()
+    popen.wait()

@@ -1,0 +1,128 @@
+"""The mount manifest: what a sandbox sees of the filesystem, as bwrap flags.
+
+Everything not listed here does not exist inside the sandbox: the host's /etc
+is replaced by a curated handful of files, /home holds only the agent's
+workspace, and the checkout, /root, /sys and other sandboxes are simply absent.
+Only the workspace, outputs and the size-capped tmpfs mounts are writable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKSPACE = "/home/agent/workspace"
+UPLOADS = "/mnt/user-data/uploads"
+OUTPUTS = "/mnt/user-data/outputs"
+SKILLS = "/mnt/skills"
+RUNTIME = "/opt/shoal/runtime"
+AGENT_ROOT = "/opt/shoal/agent"
+
+# Host /etc entries a sandbox may read; nothing with secrets or host identity.
+_ETC_ENTRIES = (
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "alternatives",
+    "nsswitch.conf", "mime.types", "os-release", "debian_version", "bash.bashrc",
+    "inputrc", "protocols", "services", "magic", "magic.mime", "fonts",
+)
+
+SANDBOX_ENV = {
+    "PATH": f"{RUNTIME}/bin:/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/home/agent",
+    "USER": "agent",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "TMPDIR": "/tmp",
+    "MPLBACKEND": "Agg",
+    "MPLCONFIGDIR": "/tmp/.config/matplotlib",
+    "XDG_CACHE_HOME": "/tmp/.cache",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "PIP_NO_INDEX": "1",
+    "VIRTUAL_ENV": RUNTIME,
+    "TERM": "dumb",
+}
+
+
+@dataclass(frozen=True)
+class SandboxHome:
+    """The host directories behind one sandbox's writable and per-sandbox mounts."""
+
+    root: Path
+
+    @property
+    def workspace(self) -> Path:
+        return self.root / "workspace"
+
+    @property
+    def outputs(self) -> Path:
+        return self.root / "outputs"
+
+    @property
+    def uploads(self) -> Path:
+        return self.root / "uploads"
+
+    @property
+    def etc(self) -> Path:
+        return self.root / "etc"
+
+    def host_path_of(self, sandbox_dir: str) -> Path | None:
+        """The host directory mounted at a sandbox directory, if it is one of ours."""
+        return {WORKSPACE: self.workspace, OUTPUTS: self.outputs,
+                UPLOADS: self.uploads}.get(sandbox_dir)
+
+    def create(self, uid: int) -> None:
+        self.root.mkdir(mode=0o711, parents=True, exist_ok=False)
+        for directory in (self.workspace, self.outputs):
+            directory.mkdir(mode=0o700)
+            os.chown(directory, uid, uid)
+        self.uploads.mkdir(mode=0o755)
+        self.etc.mkdir(mode=0o755)
+        (self.etc / "passwd").write_text(
+            "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+            f"agent:x:{uid}:{uid}:agent:/home/agent:/bin/bash\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+        (self.etc / "group").write_text(f"root:x:0:\nagent:x:{uid}:\nnogroup:x:65534:\n")
+        (self.etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+
+
+def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,
+                    skills: Path | None, tmp_size_bytes: int, seccomp_fd: int) -> list[str]:
+    args = [
+        "--unshare-all", "--unshare-user", "--disable-userns",
+        "--die-with-parent", "--new-session",
+        "--hostname", "sandbox",
+        "--ro-bind", "/usr", "/usr",
+        "--symlink", "usr/lib", "/lib",
+        "--symlink", "usr/lib64", "/lib64",
+        "--symlink", "usr/bin", "/bin",
+        "--symlink", "usr/sbin", "/sbin",
+        "--proc", "/proc",
+        "--dev", "/dev",
+        "--size", str(tmp_size_bytes), "--tmpfs", "/tmp",
+        "--size", str(tmp_size_bytes), "--tmpfs", "/dev/shm",
+        "--dir", "/etc",
+    ]
+    for entry in _ETC_ENTRIES:
+        source = Path("/etc") / entry
+        if source.exists():
+            args += ["--ro-bind", str(source), str(source)]
+    for name in ("passwd", "group", "hosts"):
+        args += ["--ro-bind", str(home.etc / name), f"/etc/{name}"]
+    args += [
+        "--ro-bind", str(runtime), RUNTIME,
+        "--ro-bind", str(agent_root), AGENT_ROOT,
+        "--bind", str(home.workspace), WORKSPACE,
+        "--ro-bind", str(home.uploads), UPLOADS,
+        "--bind", str(home.outputs), OUTPUTS,
+    ]
+    args += ["--ro-bind", str(skills), SKILLS] if skills is not None else ["--dir", SKILLS]
+    args += [
+        "--remount-ro", "/",
+        "--chdir", WORKSPACE,
+        "--clearenv",
+    ]
+    for name, value in SANDBOX_ENV.items():
+        args += ["--setenv", name, value]
+    args += ["--seccomp", str(seccomp_fd)]
+    return args

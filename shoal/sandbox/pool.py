@@ -1,0 +1,212 @@
+"""The warm pool: sandboxes started, attached and warmed before anyone asks.
+
+Everything slow about a sandbox (namespaces, cgroup attach, interpreter start,
+importing numpy and pandas) happens here, off the request path; ``lease()``
+only pops a ready sandbox and schedules its replacement. Only when the pool is
+empty does a lease launch one while the caller waits.
+
+The pool also owns teardown, so that whatever it created (processes, cgroups,
+uids, directories) it alone removes, and ``leftovers()`` can prove it did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import secrets
+from pathlib import Path
+
+from shoal.config import MiB, Settings
+
+from . import preflight
+from .cgroups import CgroupManager, Limits
+from .launcher import LaunchConfig, SandboxProcess, launch, stop_process_tree
+from .mounts import SandboxHome
+from .runtime import find_runtime
+from .sandbox import Sandbox
+from .uids import UidAllocator
+
+log = logging.getLogger("shoal.pool")
+AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent"
+_CONCURRENT_LAUNCHES = 2
+
+
+class SandboxPool:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._ready: list[Sandbox] = []
+        self._live: set[Sandbox] = set()
+        self._launch_slots = asyncio.Semaphore(_CONCURRENT_LAUNCHES)
+        self._refill_task: asyncio.Task | None = None
+        self._warming: set[asyncio.Task] = set()
+        self._wakeup = asyncio.Event()
+        self._names = itertools.count(1)
+        self._prefix = secrets.token_hex(3)
+        self._closing = False
+        self._uids = UidAllocator(settings.uid_base, settings.uid_count)
+        self._cgroups: CgroupManager | None = None
+        self._config: LaunchConfig | None = None
+        self._limits = Limits(memory_bytes=settings.memory_limit_mib * MiB,
+                              pids=settings.pids_limit, cpu_cores=settings.cpu_limit)
+        self._sandboxes_dir = settings.run_dir / f"sandboxes-{os.getpid()}"
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        """Check isolation (fail closed), then warm the pool to its size."""
+        preflight.require_isolation()
+        self._cgroups = CgroupManager()
+        runtime = find_runtime(self.settings.runtime_dir)
+        agent_root = self._install_agent()
+        self._config = LaunchConfig(runtime=runtime, agent_root=agent_root, skills=None,
+                                    tmp_size_bytes=self.settings.tmp_size_mib * MiB,
+                                    pids_limit=self.settings.pids_limit)
+        self._sandboxes_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
+        # One sandbox up front proves that isolation works here before we serve.
+        first = await self._launch_new()
+        self._ready.append(first)
+        self._refill_task = asyncio.create_task(self._refill_forever())
+        self._wakeup.set()
+
+    async def wait_warm(self, timeout: float = 120.0) -> None:
+        """Wait until the pool holds its full size (benchmarks, tests)."""
+        async def full() -> None:
+            while len(self._ready) < self.settings.pool_size:
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(full(), timeout)
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._refill_task is not None:
+            self._refill_task.cancel()
+            try:
+                await self._refill_task
+            except asyncio.CancelledError:
+                pass
+        for task in list(self._warming):
+            task.cancel()
+        await asyncio.gather(*self._warming, return_exceptions=True)
+        await asyncio.gather(*(sandbox.close() for sandbox in list(self._live)),
+                             return_exceptions=True)
+        shutil.rmtree(self._sandboxes_dir, ignore_errors=True)
+        shutil.rmtree(self._agent_dir, ignore_errors=True)
+
+    # -- leasing -----------------------------------------------------------------
+    async def lease(self) -> Sandbox:
+        if self._closing:
+            raise RuntimeError("the pool is closing")
+        if self._ready:
+            sandbox = self._ready.pop()
+        else:
+            sandbox = await self._launch_new()
+        self._wakeup.set()
+        return sandbox
+
+    @property
+    def ready_count(self) -> int:
+        return len(self._ready)
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    def leftovers(self) -> dict[str, list]:
+        """What the pool created and still exists; all empty when idle and closed."""
+        directories = list(self._sandboxes_dir.iterdir()) if self._sandboxes_dir.exists() else []
+        return {
+            "sandboxes": [s.name for s in self._live],
+            "uids": sorted(self._uids.leased),
+            "cgroups": self._cgroups.leftovers() if self._cgroups else [],
+            "directories": directories,
+        }
+
+    # -- internals ------------------------------------------------------------------
+    def _install_agent(self) -> Path:
+        """Copy the agent's source where any sandbox uid may read it."""
+        self._agent_dir = self.settings.run_dir / f"agent-{os.getpid()}"
+        package = self._agent_dir / "shoal_agent"
+        shutil.rmtree(self._agent_dir, ignore_errors=True)
+        package.mkdir(parents=True, mode=0o755)
+        os.chmod(self.settings.run_dir, 0o711)
+        os.chmod(self._agent_dir, 0o755)
+        for source in AGENT_SOURCE.glob("*.py"):
+            target = package / source.name
+            shutil.copyfile(source, target)
+            os.chmod(target, 0o644)
+        return self._agent_dir
+
+    async def _refill_forever(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while (len(self._ready) + len(self._warming) < self.settings.pool_size
+                   and len(self._live) < self.settings.pool_size + self.settings.max_sessions):
+                task = asyncio.create_task(self._launch_into_pool())
+                self._warming.add(task)
+                task.add_done_callback(self._warming.discard)
+                task.add_done_callback(_log_failure)
+
+    async def _launch_into_pool(self) -> None:
+        sandbox = await self._launch_new()
+        if self._closing:
+            await sandbox.close()
+        else:
+            self._ready.append(sandbox)
+
+    async def _launch_new(self) -> Sandbox:
+        assert self._cgroups is not None
+        async with self._launch_slots:
+            name = f"{self._prefix}-{next(self._names)}"
+            uid = self._uids.lease()
+            home = SandboxHome(self._sandboxes_dir / name)
+            cgroup = None
+            try:
+                cgroup = await asyncio.to_thread(self._prepare, name, uid, home)
+                sandbox = Sandbox(self, name, uid, home, cgroup, None)
+                sandbox._process = await self._spawn(sandbox)
+            except BaseException:
+                # Shielded: a cancelled launch must still give back what it took.
+                await asyncio.shield(asyncio.to_thread(self._discard, uid, home, cgroup))
+                raise
+            self._live.add(sandbox)
+            return sandbox
+
+    def _prepare(self, name: str, uid: int, home: SandboxHome):
+        home.create(uid)
+        return self._cgroups.create(name, self._limits)
+
+    def _discard(self, uid: int, home: SandboxHome, cgroup) -> None:
+        if cgroup is not None:
+            cgroup.kill()
+            cgroup.remove()
+        shutil.rmtree(home.root, ignore_errors=True)
+        self._uids.release(uid)
+
+    async def _spawn(self, sandbox: Sandbox) -> SandboxProcess:
+        assert self._config is not None
+        process = await launch(self._config, sandbox.home, sandbox.uid, sandbox._cgroup)
+        try:
+            if self.settings.preload:
+                await process.channel.call({"op": "preload", "modules": self.settings.preload},
+                                           lambda stream, data: None)
+        except BaseException:
+            process.close_channel()
+            await asyncio.shield(asyncio.to_thread(stop_process_tree, process.popen,
+                                                   sandbox._cgroup))
+            raise
+        return process
+
+    async def _destroy(self, sandbox: Sandbox) -> None:
+        self._live.discard(sandbox)
+        if sandbox in self._ready:
+            self._ready.remove(sandbox)
+        await asyncio.to_thread(sandbox._remove)
+        self._uids.release(sandbox.uid)
+        self._wakeup.set()
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("warming a sandbox failed: %s", task.exception())

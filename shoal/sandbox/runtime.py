@@ -1,0 +1,89 @@
+"""The sandbox's runtime environment: a pinned Python venv, built once, cached.
+
+The venv is built on Debian's ``/usr/bin/python3`` because the sandbox uid must
+be able to read the interpreter: a pyenv Python under root's 0700 home cannot be
+bound into a sandbox. It lives outside the checkout, under a key derived from
+the pinned list and the interpreter's version, so a new checkout reuses it and
+a changed list builds a new one beside the old.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+REQUIREMENTS = PROJECT_ROOT / "runtime" / "requirements.txt"
+BASE_PYTHON = Path("/usr/bin/python3")
+_COMPLETE_MARKER = ".shoal-runtime-complete"
+
+
+class RuntimeMissing(RuntimeError):
+    """No built runtime environment matches the pinned list."""
+
+
+def _base_python_version() -> str:
+    if not BASE_PYTHON.exists():
+        raise RuntimeMissing(f"{BASE_PYTHON} is missing: install Debian's python3 and python3-venv")
+    return subprocess.run([str(BASE_PYTHON), "-c", "import sys; print(sys.version)"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def runtime_key(requirements: Path = REQUIREMENTS) -> str:
+    digest = hashlib.sha256(requirements.read_bytes())
+    digest.update(_base_python_version().encode())
+    return digest.hexdigest()[:16]
+
+
+def find_runtime(cache_dir: Path, requirements: Path = REQUIREMENTS) -> Path:
+    path = cache_dir / runtime_key(requirements)
+    if not (path / _COMPLETE_MARKER).exists():
+        raise RuntimeMissing(f"the sandbox runtime is not built ({path} is missing); "
+                             "run `make runtime` or `shoal runtime build`")
+    return path
+
+
+def build_runtime(cache_dir: Path, requirements: Path = REQUIREMENTS,
+                  progress: Callable[[str], None] | None = None) -> Path:
+    """Build the runtime venv if it is missing; returns its path either way."""
+    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    target = cache_dir / runtime_key(requirements)
+    if (target / _COMPLETE_MARKER).exists():
+        say(f"runtime: up to date at {target}")
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(cache_dir, 0o755)
+    building = cache_dir / f"{target.name}.building"
+    shutil.rmtree(building, ignore_errors=True)
+    pins = [line for line in requirements.read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+    say(f"runtime: building {len(pins)} pinned packages into {target}")
+    subprocess.run([str(BASE_PYTHON), "-m", "venv", str(building)], check=True)
+    pip = [str(building / "bin" / "python"), "-m", "pip", "--disable-pip-version-check",
+           "--no-input"]
+    process = subprocess.Popen(
+        [*pip, "install", "--progress-bar", "off", "-r", str(requirements)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    collected = 0
+    tail: list[str] = []
+    for line in process.stdout:
+        tail = (tail + [line.rstrip()])[-20:]
+        if line.startswith("Collecting "):
+            collected += 1
+            say(f"runtime: [{collected}/{len(pins)}] {line.split()[1]}")
+        elif line.startswith("Installing collected packages"):
+            say("runtime: installing (this takes a minute)")
+    if process.wait() != 0:
+        raise RuntimeError("runtime: pip failed:\n" + "\n".join(tail))
+    # The sandbox runs as an unprivileged uid: everything must be world-readable.
+    subprocess.run(["chmod", "-R", "a+rX", str(building)], check=True)
+    (building / _COMPLETE_MARKER).write_text(requirements.read_text())
+    os.rename(building, target)
+    say(f"runtime: ready at {target}")
+    return target

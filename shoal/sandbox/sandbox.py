@@ -1,0 +1,245 @@
+"""One leased sandbox: the API the session layer calls.
+
+A ``Sandbox`` owns its process tree, uid, cgroup and host directories, and
+turns each call into the internal ``ExecResult``. Calls are serialized; a call
+that outlives its timeout plus a short backstop, or a sandbox that dies under
+a call, costs a restart (same files, fresh processes) rather than a hung session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from typing import TYPE_CHECKING, Callable
+
+from .channel import ChannelClosed
+from .files import SandboxFiles
+from .launcher import stop_process_tree
+from .mounts import OUTPUTS, WORKSPACE, SandboxHome
+from .result import ExecResult, Limit, ProducedFile
+
+if TYPE_CHECKING:
+    from .pool import SandboxPool
+
+log = logging.getLogger("shoal.sandbox")
+
+# How long past its own timeout a call may take before the host stops waiting
+# for the agent and destroys the sandbox's processes.
+BACKSTOP_SECONDS = 3.0
+TRUNCATION_MARKER = "\n...[truncated]"
+OutputCallback = Callable[[str, str], None]
+
+
+class SandboxClosed(RuntimeError):
+    """The sandbox was closed; it runs nothing more."""
+
+
+class _Collector:
+    """Accumulates one call's output, never more than the cap per stream."""
+
+    def __init__(self, cap: int, forward: OutputCallback | None) -> None:
+        self.cap = cap + len(TRUNCATION_MARKER)
+        self.parts: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self.sizes = {"stdout": 0, "stderr": 0}
+        self.truncated = {"stdout": False, "stderr": False}
+        self.forward = forward
+
+    def add(self, stream: str, data: str) -> None:
+        room = self.cap - self.sizes[stream]
+        if room <= 0:
+            self.truncated[stream] = True
+            return
+        if len(data) > room:
+            data = data[:room]
+            self.truncated[stream] = True
+        self.parts[stream].append(data)
+        self.sizes[stream] += len(data)
+        if self.forward is not None:
+            self.forward(stream, data)
+
+    def text(self, stream: str) -> str:
+        text = "".join(self.parts[stream])
+        if self.truncated[stream] and not text.endswith(TRUNCATION_MARKER):
+            text += TRUNCATION_MARKER
+        return text
+
+
+class Sandbox:
+    def __init__(self, pool: "SandboxPool", name: str, uid: int, home: SandboxHome,
+                 cgroup, process) -> None:
+        self.name = name
+        self.uid = uid
+        self.home = home
+        self._pool = pool
+        self._cgroup = cgroup
+        self._process = process
+        self._lock = asyncio.Lock()
+        self._closed = False
+        self._oom_seen = cgroup.oom_kills()
+        self._pids_seen = cgroup.pids_limit_hits()
+
+    # -- the public calls -----------------------------------------------------
+    async def run_python(self, code: str, timeout: float | None = None,
+                         on_output: OutputCallback | None = None) -> ExecResult:
+        return await self._call({"op": "python", "code": code}, timeout, on_output)
+
+    async def run_bash(self, command: str, timeout: float | None = None,
+                       on_output: OutputCallback | None = None) -> ExecResult:
+        return await self._call({"op": "bash", "command": command}, timeout, on_output)
+
+    async def run_javascript(self, code: str, timeout: float | None = None,
+                             on_output: OutputCallback | None = None) -> ExecResult:
+        return await self._call({"op": "javascript", "code": code}, timeout, on_output)
+
+    async def edit(self, request: dict, timeout: float | None = None) -> ExecResult:
+        """Run one text-editor command (``view``, ``create``, ``str_replace``, ``insert``,
+        ``undo_edit``) with Anthropic's field names."""
+        return await self._call({"op": "edit", "request": request}, timeout, None)
+
+    async def restart(self) -> None:
+        """Fresh processes on the same files: interpreter state is gone, files stay."""
+        async with self._lock:
+            await self._restart_locked()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Kill first, so that a call in flight ends now rather than at its timeout.
+        await asyncio.to_thread(self._stop_processes)
+        async with self._lock:
+            await self._pool._destroy(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    # -- internals ----------------------------------------------------------------
+    async def _call(self, message: dict, timeout: float | None,
+                    on_output: OutputCallback | None) -> ExecResult:
+        settings = self._pool.settings
+        requested = float(timeout) if timeout is not None else float(settings.default_timeout_seconds)
+        limit = min(requested, float(settings.max_timeout_seconds))
+        message = {**message, "timeout": limit, "cap": settings.output_cap_bytes}
+        collector = _Collector(settings.output_cap_bytes, on_output)
+        async with self._lock:
+            if self._closed:
+                raise SandboxClosed(f"sandbox {self.name} is closed")
+            started = time.perf_counter()
+            try:
+                done = await asyncio.wait_for(
+                    self._process.channel.call(message, collector.add), limit + BACKSTOP_SECONDS)
+            except asyncio.TimeoutError:
+                self._raise_if_closed()
+                result = self._result({"return_code": 124, "timed_out": True}, collector)
+                result.restarted = True
+                await self._restart_locked()
+            except ChannelClosed:
+                self._raise_if_closed()
+                result = self._died(collector)
+                await self._restart_locked()
+            else:
+                result = self._result(done, collector)
+                if result.return_code != 0:
+                    self._notice_limits(result)
+            result.execution_time_ms = int((time.perf_counter() - started) * 1000)
+        if result.timed_out:
+            note = ""
+            if limit < requested:
+                note = (f"[the requested timeout of {requested:g}s exceeds this server's "
+                        f"ceiling; {limit:g}s was applied]\n")
+            separator = "" if not result.stderr or result.stderr.endswith("\n") else "\n"
+            result.stderr += f"{separator}{note}Command timed out after {limit:g}s."
+        return result
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise SandboxClosed(f"sandbox {self.name} was closed during the call")
+
+    def _result(self, done: dict, collector: _Collector) -> ExecResult:
+        return_code = done.get("return_code")
+        result = ExecResult(
+            stdout=collector.text("stdout"),
+            stderr=collector.text("stderr"),
+            return_code=return_code if isinstance(return_code, int) else 1,
+            files=self._produced(done.get("files")),
+        )
+        if "stdout" in done and isinstance(done.get("stdout"), str):  # editor answers inline
+            result.stdout = done["stdout"][: self._pool.settings.output_cap_bytes]
+            result.stderr = str(done.get("stderr") or "")[: self._pool.settings.output_cap_bytes]
+            result.editor = done.get("editor") if isinstance(done.get("editor"), dict) else None
+        if isinstance(done.get("error"), str):
+            result.stderr += done["error"]
+        if done.get("timed_out") is True:
+            result.limits.append(Limit.TIMEOUT)
+        truncated = done.get("truncated")
+        if (isinstance(truncated, dict) and any(truncated.values())) or any(
+                collector.truncated.values()):
+            result.limits.append(Limit.OUTPUT)
+        return result
+
+    def _died(self, collector: _Collector) -> ExecResult:
+        result = ExecResult(stdout=collector.text("stdout"), stderr=collector.text("stderr"),
+                            return_code=137, restarted=True)
+        if self._notice_limits(result):
+            detail = "killed: the sandbox exceeded its memory limit"
+        else:
+            detail = "the sandbox's interpreter stopped unexpectedly"
+        separator = "" if not result.stderr or result.stderr.endswith("\n") else "\n"
+        result.stderr += (f"{separator}{detail}; it was restarted with the same files, "
+                          "but variables and imports from earlier calls are gone.")
+        return result
+
+    def _notice_limits(self, result: ExecResult) -> bool:
+        """Attribute a failure to the cgroup limits that fired since the last look."""
+        fired = False
+        oom = self._cgroup.oom_kills()
+        if oom > self._oom_seen:
+            self._oom_seen = oom
+            result.limits.append(Limit.MEMORY)
+            fired = True
+        pids = self._cgroup.pids_limit_hits()
+        if pids > self._pids_seen:
+            self._pids_seen = pids
+            result.limits.append(Limit.PIDS)
+        return fired
+
+    def _produced(self, files: object) -> list[ProducedFile]:
+        produced = []
+        if not isinstance(files, list):
+            return produced
+        for entry in files[:50]:
+            if not isinstance(entry, dict):
+                continue
+            path, size = entry.get("path"), entry.get("size")
+            if (isinstance(path, str) and isinstance(size, int)
+                    and (path.startswith(OUTPUTS + "/") or path.startswith(WORKSPACE + "/"))
+                    and "/../" not in path):
+                produced.append(ProducedFile(path=path, size=size))
+        return produced
+
+    async def _restart_locked(self) -> None:
+        self._process.close_channel()
+        await asyncio.to_thread(self._stop_processes)
+        self._process = await self._pool._spawn(self)
+
+    def _stop_processes(self) -> None:
+        stop_process_tree(self._process.popen, self._cgroup)
+
+    def _remove(self) -> None:
+        """Blocking teardown: processes, cgroup, directories. Called by the pool."""
+        self._process.close_channel()
+        self._stop_processes()
+        self._cgroup.remove()
+        shutil.rmtree(self.home.root, ignore_errors=True)
+
+    @property
+    def files(self) -> SandboxFiles:
+        """Host-side access to this sandbox's workspace, outputs and uploads."""
+        return SandboxFiles(self.home, self.uid, self._pool.settings.max_file_bytes)

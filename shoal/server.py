@@ -1,0 +1,75 @@
+"""Runs the app under uvicorn, after checking that isolation is possible.
+
+The checks run before the server binds, so a host that cannot isolate code
+answers with a message naming what is missing instead of a traceback, and
+never with a server that runs code unsandboxed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import uvicorn
+
+from .api.auth import TokenConfigError, TokenTable
+from .config import Settings
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": round(record.created, 3), "level": record.levelname.lower(),
+                 "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def configure_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _startup_problems(settings: Settings) -> list[str]:
+    from .sandbox import preflight
+    from .sandbox.cgroups import CgroupManager, CgroupUnavailable
+    from .sandbox.runtime import RuntimeMissing, find_runtime
+
+    found = preflight.problems()
+    try:
+        CgroupManager()
+    except CgroupUnavailable as exc:
+        found.append(str(exc))
+    try:
+        find_runtime(settings.runtime_dir)
+    except RuntimeMissing as exc:
+        found.append(str(exc))
+    try:
+        TokenTable.parse(settings.tokens)
+    except TokenConfigError as exc:
+        found.append(str(exc))
+    return found
+
+
+def serve(settings: Settings) -> int:
+    configure_logging(settings.log_level)
+    found = _startup_problems(settings)
+    if found:
+        print("shoal: refusing to start, sandboxes cannot be isolated here:\n  - "
+              + "\n  - ".join(found), file=sys.stderr)
+        return 2
+    from .app import create_app
+
+    config = uvicorn.Config(
+        create_app(settings), host=settings.host, port=settings.port,
+        loop="uvloop", http="httptools", lifespan="on", access_log=False,
+        log_config=None, log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=settings.shutdown_grace_seconds)
+    server = uvicorn.Server(config)
+    print(f"shoal: serving on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
+    server.run()
+    return 0 if server.started else 1

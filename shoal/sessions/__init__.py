@@ -1,0 +1,16 @@
+"""Sessions: who holds which sandbox, for how long, and within which limits.
+
+The HTTP layer talks to a :class:`SessionManager`; it never touches a sandbox
+or the pool directly.
+"""
+
+from shoal.sandbox import (ExecResult, FileAccessError, Limit, ProducedFile, SandboxClosed,
+                           guess_mime_type)
+
+from .manager import AtCapacity, SessionManager, UnknownSession
+from .session import Session
+
+__all__ = [
+    "AtCapacity", "ExecResult", "FileAccessError", "Limit", "ProducedFile", "SandboxClosed",
+    "Session", "SessionManager", "UnknownSession", "guess_mime_type",
+]

@@ -1,0 +1,124 @@
+"""Session lifecycle: lease and release, lifetimes, the reaper, capacity, tenancy.
+
+Ids are 128 random bits, so they cannot be guessed; a tenant asking for a
+session that belongs to another tenant is told it does not exist, exactly as
+for an id that never existed, so ids leak nothing across tenants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+from shoal.config import Settings
+from shoal.sandbox import SandboxPool
+
+from .session import Session
+
+log = logging.getLogger("shoal.sessions")
+
+
+class UnknownSession(LookupError):
+    """No session with that id exists for this tenant."""
+
+
+class AtCapacity(RuntimeError):
+    """Every session slot is taken."""
+
+
+class SessionManager:
+    def __init__(self, settings: Settings, pool: SandboxPool | None = None) -> None:
+        self.settings = settings
+        self.pool = pool or SandboxPool(settings)
+        self._sessions: dict[str, Session] = {}
+        self._reserved = 0
+        self._reaper: asyncio.Task | None = None
+        self.reaped = 0
+
+    async def start(self) -> None:
+        await self.pool.start()
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            try:
+                await self._reaper
+            except asyncio.CancelledError:
+                pass
+        sessions, self._sessions = list(self._sessions.values()), {}
+        await asyncio.gather(*(s.sandbox.close() for s in sessions), return_exceptions=True)
+        await self.pool.close()
+
+    @property
+    def live(self) -> int:
+        return len(self._sessions)
+
+    def clamp(self, requested: int | None, default: int, ceiling: int) -> int:
+        """A lifetime hint may be lowered to our ceiling, never raised above the hint."""
+        if requested is None:
+            return min(default, ceiling)
+        return min(requested, ceiling)
+
+    async def create(self, tenant: str, idle_timeout_seconds: int | None = None,
+                     max_lifetime_seconds: int | None = None, image: str | None = None) -> Session:
+        settings = self.settings
+        if len(self._sessions) + self._reserved >= settings.max_sessions:
+            raise AtCapacity(f"all {settings.max_sessions} session slots are in use; "
+                             "retry after a session is released")
+        self._reserved += 1
+        try:
+            sandbox = await self.pool.lease()
+        finally:
+            self._reserved -= 1
+        session = Session(
+            id=secrets.token_hex(16),
+            tenant=tenant,
+            sandbox=sandbox,
+            idle_timeout_seconds=self.clamp(idle_timeout_seconds, settings.idle_timeout_seconds,
+                                            settings.max_idle_timeout_seconds),
+            max_lifetime_seconds=self.clamp(max_lifetime_seconds, settings.max_lifetime_seconds,
+                                            settings.max_lifetime_ceiling_seconds),
+            image=image,
+        )
+        self._sessions[session.id] = session
+        return session
+
+    def get(self, tenant: str, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None or session.tenant != tenant:
+            raise UnknownSession(f"no session {session_id!r}")
+        return session
+
+    async def destroy(self, tenant: str, session_id: str) -> bool:
+        """Release a session; ``False`` if there was none (already the desired state)."""
+        try:
+            session = self.get(tenant, session_id)
+        except UnknownSession:
+            return False
+        await self._release(session)
+        return True
+
+    async def _release(self, session: Session) -> None:
+        if self._sessions.get(session.id) is session:
+            del self._sessions[session.id]
+            await session.sandbox.close()
+
+    async def reap(self) -> int:
+        now = time.time()
+        expired = [s for s in self._sessions.values() if s.expired(now)]
+        for session in expired:
+            log.info("reaping session %s (tenant %s)", session.id, session.tenant)
+            await self._release(session)
+        self.reaped += len(expired)
+        return len(expired)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reaper_interval_seconds)
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("reaper failed; retrying next interval")

@@ -1,0 +1,73 @@
+"""A session: one live sandbox leased to one tenant, with its lifetime bounds.
+
+The session is the unit clients address. It remembers who owns it and when it
+was last used, counts calls in flight so the reaper never reclaims a session
+that is working, and is the only way the layers above reach a sandbox.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from shoal.sandbox import (ExecResult, FileEntry, Sandbox, SandboxPath, parse_path)
+
+TOOLS = ("python", "bash", "edit", "javascript")
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    tenant: str
+    sandbox: Sandbox
+    idle_timeout_seconds: int
+    max_lifetime_seconds: int
+    image: str | None = None
+    created_at: float = field(default_factory=time.time)
+    last_activity_at: float = 0.0
+    active_calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.last_activity_at = self.last_activity_at or self.created_at
+
+    def touch(self) -> None:
+        self.last_activity_at = time.time()
+
+    def expired(self, now: float) -> bool:
+        if now - self.created_at >= self.max_lifetime_seconds:
+            return True
+        return self.active_calls == 0 and now - self.last_activity_at >= self.idle_timeout_seconds
+
+    async def run(self, tool: str, payload: dict, timeout: float | None) -> ExecResult:
+        """Run one call: ``tool`` is python, bash, javascript or edit."""
+        self.active_calls += 1
+        self.touch()
+        try:
+            if tool == "python":
+                return await self.sandbox.run_python(payload["code"], timeout)
+            if tool == "bash":
+                return await self.sandbox.run_bash(payload["command"], timeout)
+            if tool == "javascript":
+                return await self.sandbox.run_javascript(payload["code"], timeout)
+            if tool == "edit":
+                return await self.sandbox.edit(payload, timeout)
+            raise ValueError(f"unknown tool {tool!r}")
+        finally:
+            self.active_calls -= 1
+            self.touch()
+
+    # -- files: blocking, call from a worker thread -------------------------------
+    def list_files(self, raw_path: str) -> list[FileEntry]:
+        self.touch()
+        return self.sandbox.files.list(parse_path(raw_path, allow_file_id=False))
+
+    def open_file(self, raw_path: str):
+        self.touch()
+        path = parse_path(raw_path)
+        handle, size = self.sandbox.files.open_for_reading(path)
+        return path, handle, size
+
+    def write_file(self, raw_path: str, source) -> tuple[SandboxPath, int]:
+        self.touch()
+        path = parse_path(raw_path, allow_file_id=False)
+        return path, self.sandbox.files.write(path, source)

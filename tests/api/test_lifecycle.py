@@ -1,0 +1,175 @@
+"""Lifetimes, the reaper, concurrency, metrics and graceful shutdown, over real HTTP."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def short_lived(server_factory):
+    """A server whose ceilings are low and whose reaper runs often."""
+    return server_factory(idle_timeout_seconds=30, max_idle_timeout_seconds=60,
+                          max_lifetime_seconds=120, max_lifetime_ceiling_seconds=300,
+                          reaper_interval_seconds=0.2, pool_size=2)
+
+
+def _create(client, **hints) -> dict:
+    response = client.post("/sessions", json=hints)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def test_hints_are_clamped_never_raised(short_lived):
+    with short_lived.client() as client:
+        clamped = _create(client, idle_timeout_seconds=99999, max_lifetime_seconds=99999)
+        assert (clamped["idle_timeout_seconds"], clamped["max_lifetime_seconds"]) == (60, 300)
+        honoured = _create(client, idle_timeout_seconds=5, max_lifetime_seconds=7)
+        assert (honoured["idle_timeout_seconds"], honoured["max_lifetime_seconds"]) == (5, 7)
+        defaults = _create(client)
+        assert (defaults["idle_timeout_seconds"], defaults["max_lifetime_seconds"]) == (30, 120)
+        for handle in (clamped, honoured, defaults):
+            client.delete(f"/sessions/{handle['session_id']}")
+
+
+def test_idle_session_is_reaped(short_lived):
+    with short_lived.client() as client:
+        handle = _create(client, idle_timeout_seconds=1)
+        assert client.get(f"/sessions/{handle['session_id']}").status_code == 200
+        time.sleep(2)
+        assert client.get(f"/sessions/{handle['session_id']}").status_code == 404
+
+
+def test_max_lifetime_is_enforced_even_when_active(short_lived):
+    with short_lived.client() as client:
+        handle = _create(client, max_lifetime_seconds=2)
+        sid = handle["session_id"]
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            if client.get(f"/sessions/{sid}").status_code == 404:
+                break
+            client.post(f"/sessions/{sid}/exec", json={"tool": "code_execution", "input": {"code": "1"}})
+            time.sleep(0.2)
+        assert client.get(f"/sessions/{sid}").status_code == 404
+
+
+def test_exec_in_progress_counts_as_activity(short_lived):
+    with short_lived.client() as client:
+        handle = _create(client, idle_timeout_seconds=1)
+        sid = handle["session_id"]
+        response = client.post(f"/sessions/{sid}/exec", json={
+            "tool": "bash_code_execution", "input": {"command": "sleep 3; echo done"}})
+        assert response.status_code == 200
+        assert response.json()["result_block"]["content"]["stdout"] == "done\n"
+        refreshed = client.get(f"/sessions/{sid}")
+        assert refreshed.status_code == 200
+        assert refreshed.json()["last_activity_at"] > handle["last_activity_at"]
+        client.delete(f"/sessions/{sid}")
+
+
+def test_slow_call_does_not_delay_another_session(server):
+    with server.client() as client:
+        slow = _create(client)["session_id"]
+        fast = _create(client)["session_id"]
+        client.post(f"/sessions/{fast}/exec", json={"tool": "code_execution", "input": {"code": "1"}})
+        slow_result = {}
+
+        def run_slow():
+            with server.client() as other:
+                slow_result["response"] = other.post(f"/sessions/{slow}/exec", json={
+                    "tool": "code_execution", "input": {"code": "import time; time.sleep(5)"}})
+
+        thread = threading.Thread(target=run_slow)
+        thread.start()
+        time.sleep(0.5)  # the slow call is running now
+        started = time.monotonic()
+        response = client.post(f"/sessions/{fast}/exec",
+                               json={"tool": "code_execution", "input": {"code": "print('quick')"}})
+        elapsed = time.monotonic() - started
+        assert response.json()["result_block"]["content"]["stdout"] == "quick\n"
+        assert thread.is_alive(), "the slow call should still be running"
+        assert elapsed < 2.0, f"a trivial exec took {elapsed:.2f}s behind a slow one"
+        health_started = time.monotonic()
+        assert client.get("/health").status_code == 200
+        assert time.monotonic() - health_started < 1.0
+        thread.join()
+        assert slow_result["response"].status_code == 200
+        client.delete(f"/sessions/{slow}")
+        client.delete(f"/sessions/{fast}")
+
+
+def test_calls_to_one_session_are_serialized(server):
+    with server.client() as client:
+        sid = _create(client)["session_id"]
+        code = ("import os, time\n"
+                "fd = os.open('log', os.O_WRONLY | os.O_CREAT | os.O_APPEND)\n"
+                "os.write(fd, b'start\\n'); time.sleep(0.3); os.write(fd, b'end\\n')")
+        threads = [threading.Thread(target=lambda: server.client().post(
+            f"/sessions/{sid}/exec", json={"tool": "code_execution", "input": {"code": code}}))
+            for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        log = client.post(f"/sessions/{sid}/exec", json={
+            "tool": "bash_code_execution", "input": {"command": "cat log"}}).json()
+        assert log["result_block"]["content"]["stdout"] == "start\nend\n" * 3
+        client.delete(f"/sessions/{sid}")
+
+
+def test_metrics_in_prometheus_format(server):
+    with server.client() as client:
+        sid = _create(client)["session_id"]
+        client.post(f"/sessions/{sid}/exec", json={"tool": "bash_code_execution",
+                                                   "input": {"command": "sleep 5"},
+                                                   "timeout_seconds": 1})
+        text = client.get("/metrics").text
+        client.delete(f"/sessions/{sid}")
+    assert 'shoal_exec_seconds_count{tool="bash_code_execution"}' in text
+    assert 'shoal_limits_fired_total{limit="timeout"}' in text
+    assert "shoal_sessions_live" in text and "shoal_pool_ready" in text
+
+
+def _processes_with_uids(low: int, high: int) -> list[int]:
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("Uid:"):
+                    if low <= int(line.split()[1]) < high:
+                        found.append(int(status.parent.name))
+                    break
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_sigterm_finishes_running_calls_then_cleans_up(server_factory):
+    server = server_factory(pool_size=2, shutdown_grace_seconds=20)
+    uid_base = int(server.process.args[server.process.args.index("--uid-base") + 1])
+    with server.client() as client:
+        sid = _create(client)["session_id"]
+        outcome = {}
+
+        def slow_call():
+            outcome["response"] = client.post(f"/sessions/{sid}/exec", json={
+                "tool": "bash_code_execution", "input": {"command": "sleep 2; echo finished"}})
+
+        thread = threading.Thread(target=slow_call)
+        thread.start()
+        time.sleep(0.5)
+        assert _processes_with_uids(uid_base, uid_base + 4096), "sandboxes should be running"
+        server.process.send_signal(signal.SIGTERM)
+        thread.join()
+        assert outcome["response"].status_code == 200
+        assert outcome["response"].json()["result_block"]["content"]["stdout"] == "finished\n"
+    # uvicorn re-raises the signal once it has shut down cleanly: -SIGTERM is the clean exit.
+    assert server.process.wait(30) in (0, -signal.SIGTERM)
+    assert _processes_with_uids(uid_base, uid_base + 4096) == []
+    pid = server.process.pid
+    assert not Path(f"/run/shoal-test/sandboxes-{pid}").exists()
+    assert not Path(f"/run/shoal-test/agent-{pid}").exists()

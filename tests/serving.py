@@ -1,0 +1,77 @@
+"""Starting real Shoal servers for tests: ``shoal serve`` in a subprocess on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+SHOAL = Path(sys.executable).parent / "shoal"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    data_dir: Path
+
+    def client(self, token: str | None = None, **kwargs) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kwargs)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_server(tmp_path: Path, uid_base: int, data_dir: Path | None = None,
+                 **settings: object) -> Server:
+    """Start ``shoal serve`` with the given settings and wait until it is healthy."""
+    port = free_port()
+    data_dir = data_dir or tmp_path / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = tmp_path / f"server-{port}.log"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SHOAL_")}
+    args = [str(SHOAL), "serve", "--port", str(port), "--data-dir", str(data_dir),
+            "--run-dir", "/run/shoal-test", "--uid-base", str(uid_base)]
+    defaults = {"pool_size": 2, "memory_limit_mib": 512}
+    for name, value in {**defaults, **settings}.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Server(f"http://127.0.0.1:{port}", process, log_path, data_dir)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"shoal serve exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    server.stop(signal.SIGKILL)
+    raise RuntimeError(f"shoal serve did not become healthy:\n{server.log()}")
