@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from . import __version__
-from .api import errors, observability, protocol_v1
+from .api import containers, errors, files, observability, protocol_v1
 from .api.auth import TokenTable
 from .config import Settings
 from .sessions import SessionManager
@@ -40,5 +40,7 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     errors.install(app)
     app.include_router(observability.router)
     app.include_router(protocol_v1.router)
+    app.include_router(files.router)
+    app.include_router(containers.router)
     app.add_middleware(observability.AccessLog)
     return app

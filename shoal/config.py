@@ -39,6 +39,12 @@ class Settings(BaseSettings):
     reaper_interval_seconds: float = Field(5.0, gt=0, description="How often expired sessions "
                                                                   "are reclaimed.")
 
+    # -- containers ------------------------------------------------------------
+    container_ttl_minutes: int = Field(60, ge=1, le=240, description="Default idle TTL of a "
+                                                                    "container (1 to 240).")
+    container_sandbox_idle_seconds: float = Field(300.0, gt=0, description="An unused container's "
+                                                  "sandbox is shut down after this long; its files stay.")
+
     # -- execution -------------------------------------------------------------
     default_timeout_seconds: int = Field(60, ge=1, description="Timeout of a call that names none.")
     max_timeout_seconds: int = Field(300, ge=1, description="Ceiling a call's timeout is clamped to.")
@@ -53,6 +59,8 @@ class Settings(BaseSettings):
     pids_limit: int = Field(256, ge=8, description="Processes and threads per sandbox.")
     cpu_limit: float = Field(1.0, gt=0, description="CPU cores per sandbox (a CFS quota).")
     tmp_size_mib: int = Field(256, ge=1, description="Size of the sandbox's /tmp and /dev/shm.")
+    disk_limit_mib: int = Field(1024, ge=16, description="Disk quota of a session's or "
+                                                         "container's files (an ext4 volume).")
     uid_base: int = Field(200000, ge=1000, description="First uid handed to sandboxes.")
     uid_count: int = Field(4096, ge=1, description="How many uids sandboxes may use.")
     runtime_dir: Path = Field(Path("/var/cache/shoal/runtime"),

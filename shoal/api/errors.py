@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from shoal.sandbox.launcher import LaunchFailed
-from shoal.sessions import AtCapacity, FileAccessError, SandboxClosed, UnknownSession
+from shoal.sessions import (AtCapacity, FileAccessError, InvalidContainer, SandboxClosed,
+                            UnknownContainer, UnknownSession)
 
 log = logging.getLogger("shoal.api")
 
@@ -51,6 +52,14 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(UnknownSession)
     async def _unknown(request: Request, exc: UnknownSession):
         return error_response(404, str(exc))
+
+    @app.exception_handler(UnknownContainer)
+    async def _unknown_container(request: Request, exc: UnknownContainer):
+        return error_response(404, str(exc))
+
+    @app.exception_handler(InvalidContainer)
+    async def _invalid_container(request: Request, exc: InvalidContainer):
+        return error_response(422, str(exc))
 
     @app.exception_handler(SandboxClosed)
     async def _closed(request: Request, exc: SandboxClosed):

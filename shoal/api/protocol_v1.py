@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import secrets
-from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from shoal.sessions import ExecResult, Session, SessionManager, guess_mime_type
 
+from ._responses import file_response, json_response
 from ._uploads import read_upload
 from .auth import tenant_of
 from .errors import BadRequest
@@ -32,12 +31,9 @@ TOOL_KINDS = {
     "text_editor_code_execution": ("edit", "text_editor_code_execution_tool_result"),
 }
 EDITOR_COMMANDS = ("view", "create", "str_replace", "insert", "undo_edit")
-_SMALL_FILE_BYTES = 1024 * 1024
 
 
-def _json(payload: object, status: int = 200) -> Response:
-    return Response(json.dumps(payload, ensure_ascii=False), status_code=status,
-                    media_type="application/json")
+_json = json_response
 
 
 def _manager(request: Request) -> SessionManager:
@@ -79,6 +75,7 @@ def handle(session: Session) -> dict:
         "last_activity_at": session.last_activity_at,
         "expires_at": min(session.last_activity_at + session.idle_timeout_seconds,
                           session.created_at + session.max_lifetime_seconds),
+        "container_id": session.container.id if session.container is not None else None,
     }
 
 
@@ -89,7 +86,10 @@ async def create_session(request: Request, tenant: str = Depends(tenant_of)) -> 
     idle = _optional_positive_int(body, "idle_timeout_seconds")
     lifetime = _optional_positive_int(body, "max_lifetime_seconds")
     image = body.get("image") if isinstance(body.get("image"), str) else None
-    session = await _manager(request).create(tenant, idle, lifetime, image)
+    container = body.get("container")
+    if container is not None and not isinstance(container, str):
+        raise BadRequest(422, "container must be a string id")
+    session = await _manager(request).create(tenant, idle, lifetime, image, container)
     return _json(handle(session), 201)
 
 
@@ -216,20 +216,7 @@ async def get_file(session_id: str, request: Request, path: str = Query(..., min
     session = _manager(request).get(tenant, session_id)
     sandbox_path, handle_, size = await run_in_threadpool(session.open_file, path)
     name = sandbox_path.parts[-1]
-    headers = {"content-disposition": _attachment(name)}
-    media_type = guess_mime_type(name)
-    if size <= _SMALL_FILE_BYTES:
-        with handle_:
-            data = await run_in_threadpool(handle_.read)
-        return Response(data, media_type=media_type, headers=headers)
-
-    def chunks():
-        with handle_:
-            while chunk := handle_.read(1 << 20):
-                yield chunk
-
-    headers["content-length"] = str(size)
-    return StreamingResponse(chunks(), media_type=media_type, headers=headers)
+    return await file_response(handle_, size, name, guess_mime_type(name))
 
 
 @router.post("/sessions/{session_id}/files", status_code=201,
@@ -251,8 +238,3 @@ def _name_of_upload(filename: str | None) -> str:
     if name in ("", ".", ".."):
         raise BadRequest(422, "give a 'path' field, or a file name in the 'file' part")
     return name
-
-
-def _attachment(name: str) -> str:
-    ascii_name = name.encode("ascii", "replace").decode().replace('"', "_")
-    return f"attachment; filename=\"{ascii_name}\"; filename*=utf-8''{quote(name)}"

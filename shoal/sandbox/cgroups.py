@@ -221,12 +221,12 @@ class CgroupManager:
             (unified / "cpu.max").write_text(f"{quota} {period}")
         return group
 
-    def leftovers(self) -> list[Path]:
-        """Sandbox groups that still exist; empty when everything was cleaned up."""
+    def leftovers(self, prefix: str) -> list[Path]:
+        """Groups named with ``prefix`` that still exist; empty once all were removed."""
         found = []
         for parent in self._parents.values():
             if parent.is_dir():
-                found.extend(p for p in parent.iterdir() if p.is_dir())
+                found.extend(p for p in parent.iterdir() if p.is_dir() and p.name.startswith(prefix))
         return found
 
 

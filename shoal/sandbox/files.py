@@ -52,6 +52,12 @@ class FileTooLarge(FileAccessError):
     status = 413
 
 
+class QuotaExceeded(FileAccessError):
+    """The session's or container's disk quota is full."""
+
+    status = 507
+
+
 @dataclass(frozen=True)
 class SandboxPath:
     """A validated path: the mount it lies in and its components below it."""
@@ -138,9 +144,13 @@ class SandboxFiles:
                 except FileNotFoundError:
                     if not create:
                         raise FileMissing(f"no such directory: {part}") from None
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                    os.chown(part, self._uid, self._uid, dir_fd=fd, follow_symlinks=False)
-                    next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                        if mount != UPLOADS:
+                            os.chown(part, self._uid, self._uid, dir_fd=fd, follow_symlinks=False)
+                        next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                    except OSError as exc:
+                        raise _refusal(exc, part) from None
                 except OSError as exc:
                     raise _refusal(exc, part) from None
                 os.close(fd)
@@ -192,6 +202,21 @@ class SandboxFiles:
         entries.sort(key=lambda entry: entry.path.parts)
         return entries
 
+    def delete(self, path: SandboxPath) -> None:
+        """Remove one file (never a directory, never through a link)."""
+        if not path.parts:
+            raise IsDirectory("a file path is required, not a directory")
+        directory = self._open_dir(path.mount, path.parts[:-1])
+        try:
+            info = os.stat(path.parts[-1], dir_fd=directory, follow_symlinks=False)
+            if stat.S_ISDIR(info.st_mode):
+                raise IsDirectory(f"{path.relative} is a directory")
+            os.unlink(path.parts[-1], dir_fd=directory)
+        except FileNotFoundError:
+            raise FileMissing(f"no such file: {path.relative}") from None
+        finally:
+            os.close(directory)
+
     def write(self, path: SandboxPath, source: BinaryIO) -> int:
         """Write ``source`` to ``path`` atomically; returns the size written.
 
@@ -200,8 +225,6 @@ class SandboxFiles:
         nothing behind; ``rename`` replaces a planted symlink rather than
         following it.
         """
-        if path.mount == UPLOADS:
-            raise PathOutside("uploads are read-only for this operation")
         if not path.parts:
             raise IsDirectory("a file path is required, not a directory")
         directory = self._open_dir(path.mount, path.parts[:-1], create=True)
@@ -217,7 +240,8 @@ class SandboxFiles:
                         if written > self._max_file_bytes:
                             raise FileTooLarge(f"file is larger than {self._max_file_bytes} bytes")
                         target.write(chunk)
-                    os.fchown(target.fileno(), self._uid, self._uid)
+                    if path.mount != UPLOADS:  # uploads stay root's: read-only to code
+                        os.fchown(target.fileno(), self._uid, self._uid)
                 os.rename(temporary, path.parts[-1], src_dir_fd=directory, dst_dir_fd=directory)
             except BaseException:
                 try:
@@ -230,7 +254,9 @@ class SandboxFiles:
         except OSError as exc:
             if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
                 raise IsDirectory(f"{path.relative} is a directory") from None
-            raise
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise QuotaExceeded("the disk quota of these files is full") from None
+            raise _refusal(exc, path.relative) from None
         finally:
             os.close(directory)
         return written
@@ -267,6 +293,8 @@ def _refusal(exc: OSError, name: str) -> FileAccessError:
         return FileMissing(f"no such file: {name}")
     if exc.errno in (errno.EACCES, errno.EPERM):
         return PathOutside(f"{name}: permission denied")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return QuotaExceeded("the disk quota of these files is full")
     if exc.errno == errno.ENAMETOOLONG:
         return FileAccessError(f"{name}: name too long")
     return FileAccessError(f"{name}: {exc.strerror}")

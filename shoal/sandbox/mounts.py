@@ -72,18 +72,35 @@ class SandboxHome:
                 UPLOADS: self.uploads}.get(sandbox_dir)
 
     def create(self, uid: int) -> None:
-        self.root.mkdir(mode=0o711, parents=True, exist_ok=False)
+        """Lay out the directories for a sandbox running as ``uid``; idempotent."""
+        self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o711)
         for directory in (self.workspace, self.outputs):
-            directory.mkdir(mode=0o700)
+            directory.mkdir(mode=0o700, exist_ok=True)
             os.chown(directory, uid, uid)
-        self.uploads.mkdir(mode=0o755)
-        self.etc.mkdir(mode=0o755)
+        self.uploads.mkdir(mode=0o755, exist_ok=True)
+        self.etc.mkdir(mode=0o755, exist_ok=True)
         (self.etc / "passwd").write_text(
             "root:x:0:0:root:/root:/usr/sbin/nologin\n"
             f"agent:x:{uid}:{uid}:agent:/home/agent:/bin/bash\n"
             "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
         (self.etc / "group").write_text(f"root:x:0:\nagent:x:{uid}:\nnogroup:x:65534:\n")
         (self.etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+
+    def adopt(self, uid: int) -> None:
+        """Give everything in the writable directories to a new sandbox uid.
+
+        Run only while no sandbox is attached, and without following links
+        (``fwalk`` hands out directory fds), so nothing planted by earlier code
+        can turn this into a chown of a host file.
+        """
+        for directory in (self.workspace, self.outputs):
+            for _, dirs, files, dir_fd in os.fwalk(directory, follow_symlinks=False):
+                for name in (*dirs, *files):
+                    try:
+                        os.chown(name, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        pass
 
 
 def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,

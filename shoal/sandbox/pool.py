@@ -25,6 +25,7 @@ from . import preflight
 from .cgroups import CgroupManager, Limits
 from .launcher import LaunchConfig, SandboxProcess, launch, stop_process_tree
 from .mounts import SandboxHome
+from .volumes import Volume, mounts_under, unmount
 from .runtime import find_runtime
 from .sandbox import Sandbox
 from .uids import UidAllocator
@@ -90,6 +91,8 @@ class SandboxPool:
         await asyncio.gather(*self._warming, return_exceptions=True)
         await asyncio.gather(*(sandbox.close() for sandbox in list(self._live)),
                              return_exceptions=True)
+        for mount_point in mounts_under(self._sandboxes_dir):
+            unmount(mount_point)  # never rmtree through a volume still mounted
         shutil.rmtree(self._sandboxes_dir, ignore_errors=True)
         shutil.rmtree(self._agent_dir, ignore_errors=True)
 
@@ -104,6 +107,31 @@ class SandboxPool:
         self._wakeup.set()
         return sandbox
 
+    async def launch_for(self, home: SandboxHome, name: str) -> Sandbox:
+        """Start a sandbox on existing files (a durable container's), on demand.
+
+        The files outlive the sandbox: closing it leaves ``home`` as it is.
+        """
+        assert self._cgroups is not None
+        async with self._launch_slots:
+            uid = self._uids.lease()
+            sandbox_name = f"{self._prefix}-{name}-{next(self._names)}"
+            cgroup = None
+            try:
+                cgroup = await asyncio.to_thread(self._adopt, sandbox_name, uid, home)
+                sandbox = Sandbox(self, sandbox_name, uid, home, cgroup, None)
+                sandbox._process = await self._spawn(sandbox, preload=False)
+            except BaseException:
+                await asyncio.shield(asyncio.to_thread(self._discard, uid, home, cgroup))
+                raise
+            self._live.add(sandbox)
+            return sandbox
+
+    def _adopt(self, name: str, uid: int, home: SandboxHome):
+        home.create(uid)
+        home.adopt(uid)
+        return self._cgroups.create(name, self._limits)
+
     @property
     def ready_count(self) -> int:
         return len(self._ready)
@@ -114,12 +142,13 @@ class SandboxPool:
 
     def leftovers(self) -> dict[str, list]:
         """What the pool created and still exists; all empty when idle and closed."""
-        directories = list(self._sandboxes_dir.iterdir()) if self._sandboxes_dir.exists() else []
+        directories = sorted(self._sandboxes_dir.iterdir()) if self._sandboxes_dir.exists() else []
         return {
             "sandboxes": [s.name for s in self._live],
             "uids": sorted(self._uids.leased),
-            "cgroups": self._cgroups.leftovers() if self._cgroups else [],
+            "cgroups": self._cgroups.leftovers(self._prefix + "-") if self._cgroups else [],
             "directories": directories,
+            "mounts": mounts_under(self._sandboxes_dir) if self._sandboxes_dir.exists() else [],
         }
 
     # -- internals ------------------------------------------------------------------
@@ -165,30 +194,38 @@ class SandboxPool:
             try:
                 cgroup = await asyncio.to_thread(self._prepare, name, uid, home)
                 sandbox = Sandbox(self, name, uid, home, cgroup, None)
+                sandbox.release_home = lambda: self._volume_of(name).destroy()
                 sandbox._process = await self._spawn(sandbox)
             except BaseException:
                 # Shielded: a cancelled launch must still give back what it took.
-                await asyncio.shield(asyncio.to_thread(self._discard, uid, home, cgroup))
+                await asyncio.shield(asyncio.to_thread(self._discard, uid, home, cgroup, name))
                 raise
             self._live.add(sandbox)
             return sandbox
 
+    def _volume_of(self, name: str) -> Volume:
+        return Volume(self._sandboxes_dir / f"{name}.img", self._sandboxes_dir / name)
+
     def _prepare(self, name: str, uid: int, home: SandboxHome):
+        # An ephemeral session's files get a volume of their own: the disk
+        # quota holds against code, and teardown is one unmount.
+        self._volume_of(name).create(self.settings.disk_limit_mib * MiB, journal=False)
         home.create(uid)
         return self._cgroups.create(name, self._limits)
 
-    def _discard(self, uid: int, home: SandboxHome, cgroup) -> None:
+    def _discard(self, uid: int, home: SandboxHome, cgroup, name: str | None = None) -> None:
         if cgroup is not None:
             cgroup.kill()
             cgroup.remove()
-        shutil.rmtree(home.root, ignore_errors=True)
+        if name is not None:
+            self._volume_of(name).destroy()
         self._uids.release(uid)
 
-    async def _spawn(self, sandbox: Sandbox) -> SandboxProcess:
+    async def _spawn(self, sandbox: Sandbox, preload: bool = True) -> SandboxProcess:
         assert self._config is not None
         process = await launch(self._config, sandbox.home, sandbox.uid, sandbox._cgroup)
         try:
-            if self.settings.preload:
+            if preload and self.settings.preload:
                 await process.channel.call({"op": "preload", "modules": self.settings.preload},
                                            lambda stream, data: None)
         except BaseException:

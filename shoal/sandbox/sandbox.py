@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -77,6 +76,8 @@ class Sandbox:
         self._process = process
         self._lock = asyncio.Lock()
         self._closed = False
+        # Called once the processes are gone; the pool sets it for files it owns.
+        self.release_home: Callable[[], None] = lambda: None
         self._oom_seen = cgroup.oom_kills()
         self._pids_seen = cgroup.pids_limit_hits()
 
@@ -237,7 +238,7 @@ class Sandbox:
         self._process.close_channel()
         self._stop_processes()
         self._cgroup.remove()
-        shutil.rmtree(self.home.root, ignore_errors=True)
+        self.release_home()
 
     @property
     def files(self) -> SandboxFiles:

@@ -7,10 +7,15 @@ or the pool directly.
 from shoal.sandbox import (ExecResult, FileAccessError, Limit, ProducedFile, SandboxClosed,
                            guess_mime_type)
 
+from .container_files import ContainerFile, ContainerFiles, InvalidKey, path_for_key
+from .containers import ContainerManager, InvalidContainer, UnknownContainer
+from .uploads import Uploads
 from .manager import AtCapacity, SessionManager, UnknownSession
 from .session import Session
 
 __all__ = [
+    "ContainerFile", "ContainerFiles", "InvalidKey", "Uploads", "path_for_key",
+    "ContainerManager", "InvalidContainer", "UnknownContainer",
     "AtCapacity", "ExecResult", "FileAccessError", "Limit", "ProducedFile", "SandboxClosed",
     "Session", "SessionManager", "UnknownSession", "guess_mime_type",
 ]

@@ -12,9 +12,13 @@ import logging
 import secrets
 import time
 
-from shoal.config import Settings
+from shoal.config import MiB, Settings
 from shoal.sandbox import SandboxPool
+from shoal.storage import open_files, open_metadata
 
+from .container_files import ContainerFiles
+from .containers import ContainerManager
+from .uploads import Uploads
 from .session import Session
 
 log = logging.getLogger("shoal.sessions")
@@ -32,12 +36,19 @@ class SessionManager:
     def __init__(self, settings: Settings, pool: SandboxPool | None = None) -> None:
         self.settings = settings
         self.pool = pool or SandboxPool(settings)
+        self.metadata = open_metadata(settings.data_dir)
+        self.files = open_files(settings.data_dir, settings.run_dir, settings.disk_limit_mib * MiB,
+                                settings.max_file_bytes)
+        self.containers = ContainerManager(settings, self.pool, self.metadata, self.files)
+        self.container_files = ContainerFiles(self.containers, self.metadata)
+        self.uploads = Uploads(self.metadata, self.files)
         self._sessions: dict[str, Session] = {}
         self._reserved = 0
         self._reaper: asyncio.Task | None = None
         self.reaped = 0
 
     async def start(self) -> None:
+        await self.metadata.open()
         await self.pool.start()
         self._reaper = asyncio.create_task(self._reap_forever())
 
@@ -49,8 +60,10 @@ class SessionManager:
             except asyncio.CancelledError:
                 pass
         sessions, self._sessions = list(self._sessions.values()), {}
-        await asyncio.gather(*(s.sandbox.close() for s in sessions), return_exceptions=True)
+        await asyncio.gather(*(self._detach(s) for s in sessions), return_exceptions=True)
+        await self.containers.close()
         await self.pool.close()
+        await self.metadata.close()
 
     @property
     def live(self) -> int:
@@ -63,14 +76,23 @@ class SessionManager:
         return min(requested, ceiling)
 
     async def create(self, tenant: str, idle_timeout_seconds: int | None = None,
-                     max_lifetime_seconds: int | None = None, image: str | None = None) -> Session:
+                     max_lifetime_seconds: int | None = None, image: str | None = None,
+                     container_id: str | None = None) -> Session:
+        """Lease a session; with ``container_id``, attached to that durable container
+        (created if the id is new), else on an ephemeral sandbox of its own."""
         settings = self.settings
         if len(self._sessions) + self._reserved >= settings.max_sessions:
             raise AtCapacity(f"all {settings.max_sessions} session slots are in use; "
                              "retry after a session is released")
         self._reserved += 1
+        container = None
+        restarted = False
         try:
-            sandbox = await self.pool.lease()
+            if container_id is None:
+                sandbox = await self.pool.lease()
+            else:
+                container = await self.containers.get_or_create(tenant, container_id)
+                sandbox, restarted = await self.containers.acquire(container)
         finally:
             self._reserved -= 1
         session = Session(
@@ -82,9 +104,16 @@ class SessionManager:
             max_lifetime_seconds=self.clamp(max_lifetime_seconds, settings.max_lifetime_seconds,
                                             settings.max_lifetime_ceiling_seconds),
             image=image,
+            container=container,
+            interpreter_restarted=restarted,
+            on_activity=self._container_activity if container is not None else None,
         )
         self._sessions[session.id] = session
         return session
+
+    async def _container_activity(self, session: Session) -> None:
+        assert session.container is not None
+        session.container = await self.containers.touch(session.container)
 
     def get(self, tenant: str, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -104,7 +133,13 @@ class SessionManager:
     async def _release(self, session: Session) -> None:
         if self._sessions.get(session.id) is session:
             del self._sessions[session.id]
+            await self._detach(session)
+
+    async def _detach(self, session: Session) -> None:
+        if session.container is None:
             await session.sandbox.close()
+        else:
+            self.containers.release(session.container)
 
     async def reap(self) -> int:
         now = time.time()
@@ -120,5 +155,6 @@ class SessionManager:
             await asyncio.sleep(self.settings.reaper_interval_seconds)
             try:
                 await self.reap()
+                await self.containers.reap()
             except Exception:
                 log.exception("reaper failed; retrying next interval")

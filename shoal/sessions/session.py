@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable
 
-from shoal.sandbox import (ExecResult, FileEntry, Sandbox, SandboxPath, parse_path)
+from shoal.sandbox import ExecResult, FileEntry, Sandbox, SandboxPath, parse_path
+from shoal.storage import ContainerRecord
 
 TOOLS = ("python", "bash", "edit", "javascript")
 
@@ -23,6 +25,12 @@ class Session:
     idle_timeout_seconds: int
     max_lifetime_seconds: int
     image: str | None = None
+    # The durable container the session is attached to; None for an ephemeral one.
+    container: ContainerRecord | None = None
+    # Set when the session's sandbox is a fresh one on a container used before:
+    # the first call's result says so, since earlier interpreter state is gone.
+    interpreter_restarted: bool = False
+    on_activity: Callable[["Session"], Awaitable[None]] | None = None
     created_at: float = field(default_factory=time.time)
     last_activity_at: float = 0.0
     active_calls: int = 0
@@ -43,18 +51,27 @@ class Session:
         self.active_calls += 1
         self.touch()
         try:
-            if tool == "python":
-                return await self.sandbox.run_python(payload["code"], timeout)
-            if tool == "bash":
-                return await self.sandbox.run_bash(payload["command"], timeout)
-            if tool == "javascript":
-                return await self.sandbox.run_javascript(payload["code"], timeout)
-            if tool == "edit":
-                return await self.sandbox.edit(payload, timeout)
-            raise ValueError(f"unknown tool {tool!r}")
+            result = await self._dispatch(tool, payload, timeout)
         finally:
             self.active_calls -= 1
             self.touch()
+        if self.interpreter_restarted:
+            result.restarted = True
+            self.interpreter_restarted = False
+        if self.on_activity is not None:
+            await self.on_activity(self)
+        return result
+
+    async def _dispatch(self, tool: str, payload: dict, timeout: float | None) -> ExecResult:
+        if tool == "python":
+            return await self.sandbox.run_python(payload["code"], timeout)
+        if tool == "bash":
+            return await self.sandbox.run_bash(payload["command"], timeout)
+        if tool == "javascript":
+            return await self.sandbox.run_javascript(payload["code"], timeout)
+        if tool == "edit":
+            return await self.sandbox.edit(payload, timeout)
+        raise ValueError(f"unknown tool {tool!r}")
 
     # -- files: blocking, call from a worker thread -------------------------------
     def list_files(self, raw_path: str) -> list[FileEntry]:

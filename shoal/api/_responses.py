@@ -1,0 +1,43 @@
+"""Response helpers shared by the dialects: JSON without the encoder's detour,
+and file bodies that stream when large and close their handle either way."""
+
+from __future__ import annotations
+
+import json
+from typing import BinaryIO
+from urllib.parse import quote
+
+from fastapi import Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+_SMALL_FILE_BYTES = 1024 * 1024
+_CHUNK = 1 << 20
+
+
+def json_response(payload: object, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(json.dumps(payload, ensure_ascii=False), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+def content_disposition(name: str, inline: bool = False) -> str:
+    ascii_name = name.encode("ascii", "replace").decode().replace('"', "_")
+    kind = "inline" if inline else "attachment"
+    return f"{kind}; filename=\"{ascii_name}\"; filename*=utf-8''{quote(name)}"
+
+
+async def file_response(handle: BinaryIO, size: int, name: str, media_type: str,
+                        inline: bool = False) -> Response:
+    headers = {"content-disposition": content_disposition(name, inline)}
+    if size <= _SMALL_FILE_BYTES:
+        with handle:
+            data = await run_in_threadpool(handle.read)
+        return Response(data, media_type=media_type, headers=headers)
+
+    def chunks():
+        with handle:
+            while chunk := handle.read(_CHUNK):
+                yield chunk
+
+    headers["content-length"] = str(size)
+    return StreamingResponse(chunks(), media_type=media_type, headers=headers)

@@ -1,0 +1,216 @@
+"""The Containers API in OpenAI's shape (``/v1/containers``).
+
+Works with the official ``openai`` package pointed at Shoal: containers are
+created, listed with cursor pagination, retrieved and deleted; their files are
+uploaded (multipart) or attached from the tenant's Files API by id, listed,
+read and deleted. Uploaded and attached files land in
+``/mnt/user-data/uploads/``, read-only to the code; files the code writes to
+``/mnt/user-data/outputs/`` appear here as ``source: assistant``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+
+from shoal.sandbox.files import SandboxPath
+from shoal.sandbox.mounts import UPLOADS
+from shoal.sessions import ContainerFile, SessionManager
+from shoal.storage import ContainerRecord
+
+from ._pagination import check_limit, paginate
+from ._responses import file_response, json_response
+from ._uploads import read_upload
+from .auth import tenant_of
+from .errors import BadRequest
+
+router = APIRouter(prefix="/v1/containers", tags=["containers"])
+
+
+def _manager(request: Request) -> SessionManager:
+    return request.app.state.manager
+
+
+def render_container(record: ContainerRecord) -> dict:
+    return {
+        "id": record.id,
+        "object": "container",
+        "created_at": int(record.created_at),
+        "status": record.status,
+        "expires_after": {"anchor": "last_active_at", "minutes": record.expires_after_minutes},
+        "last_active_at": int(record.last_active_at),
+        "expires_at": int(record.expires_at),
+        "memory_limit": record.memory_limit,
+        "name": record.name,
+        "implicit": record.implicit,
+        # Sandboxes have no network at all; there is no other policy to report.
+        "network_policy": {"type": "disabled"},
+    }
+
+
+def render_file(item: ContainerFile, container_id: str) -> dict:
+    return {
+        "id": item.id,
+        "object": "container.file",
+        "created_at": int(item.record.created_at),
+        "bytes": item.record.size,
+        "container_id": container_id,
+        "path": item.path,
+        "source": item.record.source,
+    }
+
+
+def _list_body(data: list[dict], has_more: bool) -> dict:
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+def _ordered(items: list, order: str) -> list:
+    if order not in ("asc", "desc"):
+        raise BadRequest(400, "order must be 'asc' or 'desc'")
+    return list(reversed(items)) if order == "desc" else items
+
+
+async def _json_object(request: Request) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(422, f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(422, "body must be a JSON object")
+    return body
+
+
+# -- containers -------------------------------------------------------------------------------
+@router.post("", summary="Create a container")
+async def create_container(request: Request, tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    body = await _json_object(request)
+    name = body.get("name")
+    if name is not None and not isinstance(name, str):
+        raise BadRequest(422, "name must be a string")
+    expires_after = body.get("expires_after") or {}
+    if not isinstance(expires_after, dict):
+        raise BadRequest(422, "expires_after must be an object")
+    anchor = expires_after.get("anchor", "last_active_at")
+    if anchor != "last_active_at":
+        raise BadRequest(422, "expires_after.anchor must be 'last_active_at'")
+    file_ids = body.get("file_ids") or []
+    if not isinstance(file_ids, list) or not all(isinstance(f, str) for f in file_ids):
+        raise BadRequest(422, "file_ids must be a list of file ids")
+    policy = body.get("network_policy")
+    if policy is not None and policy != {"type": "disabled"}:
+        raise BadRequest(422, "sandboxes have no network: network_policy can only be "
+                              "{\"type\": \"disabled\"}")
+    memory_limit = body.get("memory_limit")
+    if memory_limit is not None and memory_limit not in ("1g", "4g", "16g", "64g"):
+        raise BadRequest(422, "memory_limit must be one of 1g, 4g, 16g, 64g")
+    uploads = [await manager.uploads.get(tenant, file_id) for file_id in file_ids]
+    record = await manager.containers.create(tenant, name=name,
+                                             minutes=expires_after.get("minutes"),
+                                             memory_limit=memory_limit)
+    for upload in uploads:
+        await _attach_upload(manager, tenant, record, upload.id)
+    return json_response(render_container(record))
+
+
+@router.get("", summary="List containers")
+async def list_containers(request: Request, limit: int = Query(20), after: str | None = Query(None),
+                          order: str = Query("desc"), name: str | None = Query(None),
+                          tenant: str = Depends(tenant_of)) -> Response:
+    check_limit(limit, 100)
+    records = await _manager(request).containers.list(tenant)
+    if name is not None:
+        records = [record for record in records if record.name == name]
+    records = _ordered(records, order)
+    page = paginate(records, lambda r: r.id, limit, after)
+    return json_response(_list_body([render_container(r) for r in page.items], page.has_more))
+
+
+@router.get("/{container_id}", summary="Retrieve a container")
+async def get_container(container_id: str, request: Request,
+                        tenant: str = Depends(tenant_of)) -> Response:
+    return json_response(render_container(await _manager(request).containers.get(tenant, container_id)))
+
+
+@router.delete("/{container_id}", summary="Delete a container and its files")
+async def delete_container(container_id: str, request: Request,
+                           tenant: str = Depends(tenant_of)) -> Response:
+    await _manager(request).containers.delete(tenant, container_id)
+    return json_response({"id": container_id, "object": "container.deleted", "deleted": True})
+
+
+# -- container files ----------------------------------------------------------------------------
+async def _attach_upload(manager: SessionManager, tenant: str, record: ContainerRecord,
+                         file_id: str) -> ContainerFile:
+    upload, handle, _ = await manager.uploads.open(tenant, file_id)
+    with handle:
+        return await manager.container_files.put(record, SandboxPath(UPLOADS, (upload.filename,)),
+                                                 handle)
+
+
+@router.post("/{container_id}/files", summary="Upload or attach a file")
+async def create_file(container_id: str, request: Request,
+                      tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    record = await manager.containers.get(tenant, container_id)
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        upload, _ = await read_upload(request, manager.settings.max_file_bytes)
+        try:
+            name = (upload.filename or "").replace("\\", "/").rsplit("/", 1)[-1]
+            if name in ("", ".", ".."):
+                raise BadRequest(422, "the 'file' part needs a file name")
+            item = await manager.container_files.put(record, SandboxPath(UPLOADS, (name,)),
+                                                     upload.file)
+        finally:
+            await upload.close()
+    else:
+        body = await _json_object(request)
+        file_id = body.get("file_id")
+        if not isinstance(file_id, str) or not file_id:
+            raise BadRequest(422, "send a multipart 'file' or JSON {\"file_id\": ...}")
+        item = await _attach_upload(manager, tenant, record, file_id)
+    return json_response(render_file(item, container_id))
+
+
+@router.get("/{container_id}/files", summary="List a container's files")
+async def list_files(container_id: str, request: Request, limit: int = Query(20),
+                     after: str | None = Query(None), order: str = Query("desc"),
+                     tenant: str = Depends(tenant_of)) -> Response:
+    check_limit(limit, 100)
+    manager = _manager(request)
+    record = await manager.containers.get(tenant, container_id)
+    items = _ordered(await manager.container_files.list(record), order)
+    page = paginate(items, lambda item: item.id, limit, after)
+    return json_response(_list_body([render_file(i, container_id) for i in page.items],
+                                    page.has_more))
+
+
+@router.get("/{container_id}/files/{file_id}", summary="Retrieve a container file")
+async def get_file(container_id: str, file_id: str, request: Request,
+                   tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    record = await manager.containers.get(tenant, container_id)
+    return json_response(render_file(await manager.container_files.get(record, file_id), container_id))
+
+
+@router.get("/{container_id}/files/{file_id}/content", summary="Download a container file")
+async def get_file_content(container_id: str, file_id: str, request: Request,
+                           tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    record = await manager.containers.get(tenant, container_id)
+    item, handle, size = await manager.container_files.open(record, file_id)
+    return await file_response(handle, size, item.filename, item.mime_type)
+
+
+@router.delete("/{container_id}/files/{file_id}", summary="Delete a container file")
+async def delete_file(container_id: str, file_id: str, request: Request,
+                      tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    record = await manager.containers.get(tenant, container_id)
+    item = await manager.container_files.delete(record, file_id)
+    return json_response({"id": item.id, "object": "container.file.deleted", "deleted": True})

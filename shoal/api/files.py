@@ -1,0 +1,223 @@
+"""The Files API (``/v1/files``), in two scopes.
+
+With ``scope_id`` it is Zylon's container Files API: keys in a container,
+uploads read-only to the code, outputs downloadable, ids that are the base64url
+of the sandbox path. Without it, it is a tenant's own uploads, in OpenAI's
+shape or, when the client speaks Anthropic (an ``anthropic-version`` header),
+in Anthropic's; those files are attached to containers by id.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import datetime, timezone
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+
+from shoal.sessions import ContainerFile, InvalidKey, SessionManager, path_for_key
+from shoal.storage import ContainerRecord, UploadRecord
+
+from ._pagination import check_limit, paginate
+from ._responses import file_response, json_response
+from ._uploads import read_upload
+from .auth import tenant_of
+from .errors import BadRequest
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+
+def _manager(request: Request) -> SessionManager:
+    return request.app.state.manager
+
+
+def rfc3339(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _anthropic(request: Request) -> bool:
+    return "anthropic-version" in request.headers
+
+
+async def _container(request: Request, tenant: str, scope_id: str, create: bool) -> ContainerRecord:
+    containers = _manager(request).containers
+    if create:
+        return await containers.get_or_create(tenant, scope_id)
+    return await containers.get(tenant, scope_id)
+
+
+def render_container_file(item: ContainerFile, scope_id: str) -> dict:
+    return {
+        "id": item.id,
+        "type": "file",
+        "filename": item.filename,
+        "mime_type": item.mime_type,
+        "size_bytes": item.record.size,
+        "created_at": rfc3339(item.record.created_at),
+        "downloadable": item.downloadable,
+        "etag": item.record.etag,
+        "namespace": "session",
+        "scope": {"id": scope_id, "type": "session"},
+        "key": item.key,
+        "path": item.path,
+    }
+
+
+def render_upload(record: UploadRecord, anthropic: bool) -> dict:
+    if anthropic:
+        return {"id": record.id, "type": "file", "filename": record.filename,
+                "mime_type": record.mime_type, "size_bytes": record.size,
+                "created_at": rfc3339(record.created_at), "downloadable": False}
+    return {"id": record.id, "object": "file", "bytes": record.size,
+            "created_at": int(record.created_at), "filename": record.filename,
+            "purpose": record.purpose or "user_data", "status": "processed",
+            "expires_at": None, "status_details": None}
+
+
+# -- upload ---------------------------------------------------------------------------------
+@router.post("", status_code=201, summary="Upload a file (to a container with scope_id)")
+async def upload(request: Request, scope_id: str | None = Query(None),
+                 path: str | None = Query(None), tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    upload_file, fields = await read_upload(request, manager.settings.max_file_bytes)
+    try:
+        if scope_id is None:
+            record = await manager.uploads.create(tenant, _file_name(upload_file.filename),
+                                                  upload_file.file, fields.get("purpose"))
+            # OpenAI answers a created file with 200; so do we, for its SDK.
+            return json_response(render_upload(record, _anthropic(request)), 200)
+        key = path or fields.get("path") or _file_name(upload_file.filename)
+        target = path_for_key(key)
+        container = await _container(request, tenant, scope_id, create=True)
+        item = await manager.container_files.put(container, target, upload_file.file)
+    finally:
+        await upload_file.close()
+    return json_response(render_container_file(item, scope_id), 201)
+
+
+@router.put("/{key:path}", summary="Put raw bytes at a key in a container")
+async def put_key(key: str, request: Request, scope_id: str = Query(...),
+                  tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    target = path_for_key(key)
+    limit = manager.settings.max_file_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(413, f"body is larger than the {limit}-byte cap")
+    with tempfile.SpooledTemporaryFile(max_size=1024 * 1024) as spool:
+        received = 0
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise BadRequest(413, f"body is larger than the {limit}-byte cap")
+            spool.write(chunk)
+        spool.seek(0)
+        container = await _container(request, tenant, scope_id, create=True)
+        item = await manager.container_files.put(container, target, spool)
+    return json_response(render_container_file(item, scope_id), 201)
+
+
+def _file_name(filename: str | None) -> str:
+    name = (filename or "").replace("\\", "/").rsplit("/", 1)[-1]
+    if name in ("", ".", ".."):
+        raise BadRequest(422, "the 'file' part needs a file name")
+    return name
+
+
+# -- list ------------------------------------------------------------------------------------
+@router.get("", summary="List files")
+async def list_files(request: Request, scope_id: str | None = Query(None),
+                     limit: int = Query(20), after_id: str | None = Query(None),
+                     before_id: str | None = Query(None), after: str | None = Query(None),
+                     prefix: str | None = Query(None),
+                     tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    after_id = after_id or after
+    if scope_id is None:
+        check_limit(limit, 10_000)
+        uploads = await manager.uploads.list(tenant)
+        page = paginate(uploads, lambda r: r.id, limit, after_id, before_id)
+        data = [render_upload(r, _anthropic(request)) for r in page.items]
+        body = {"data": data, "has_more": page.has_more,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None}
+        if not _anthropic(request):
+            body["object"] = "list"
+        return json_response(body)
+    check_limit(limit, 1000)
+    container = await _container(request, tenant, scope_id, create=False)
+    items = await manager.container_files.list(container)
+    if prefix:
+        items = [item for item in items if item.key.startswith(prefix)]
+    page = paginate(items, lambda item: item.id, limit, after_id, before_id)
+    data = [render_container_file(item, scope_id) for item in page.items]
+    return json_response({"data": data, "first_id": data[0]["id"] if data else None,
+                          "last_id": data[-1]["id"] if data else None,
+                          "has_more": page.has_more})
+
+
+# -- one file --------------------------------------------------------------------------------
+@router.get("/{file_id}", summary="File metadata")
+async def get_file(file_id: str, request: Request, scope_id: str | None = Query(None),
+                   tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    if scope_id is None:
+        record = await manager.uploads.get(tenant, file_id)
+        return json_response(render_upload(record, _anthropic(request)))
+    container = await _container(request, tenant, scope_id, create=False)
+    item = await manager.container_files.get(container, file_id)
+    return json_response(render_container_file(item, scope_id))
+
+
+@router.head("/{file_id}", summary="Whether a file exists, its metadata in X-File-* headers")
+async def head_file(file_id: str, request: Request, scope_id: str = Query(...),
+                    tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    container = await _container(request, tenant, scope_id, create=False)
+    item = await manager.container_files.get(container, file_id)
+    return Response(status_code=200, headers={
+        "X-File-Id": item.id,
+        "X-File-Name": item.filename.encode("ascii", "replace").decode(),
+        "X-File-Size": str(item.record.size),
+        "X-File-Mime-Type": item.mime_type,
+        "X-File-Created-At": rfc3339(item.record.created_at),
+        "X-File-Downloadable": "true" if item.downloadable else "false",
+        "X-File-Etag": item.record.etag or "",
+    })
+
+
+@router.get("/{file_id}/content", summary="Download a file")
+async def download(file_id: str, request: Request, scope_id: str | None = Query(None),
+                   disposition: str = Query("attachment", pattern="^(attachment|inline)$"),
+                   tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    inline = disposition == "inline"
+    if scope_id is None:
+        record, handle, size = await manager.uploads.open(tenant, file_id)
+        return await file_response(handle, size, record.filename, record.mime_type, inline)
+    container = await _container(request, tenant, scope_id, create=False)
+    item, handle, size = await manager.container_files.open(container, file_id)
+    return await file_response(handle, size, item.filename, item.mime_type, inline)
+
+
+@router.delete("/{file_id}", summary="Delete one file")
+async def delete_file(file_id: str, request: Request, scope_id: str | None = Query(None),
+                      tenant: str = Depends(tenant_of)) -> Response:
+    manager = _manager(request)
+    if scope_id is None:
+        record = await manager.uploads.delete(tenant, file_id)
+        if _anthropic(request):
+            return json_response({"id": record.id, "type": "file_deleted"})
+        return json_response({"id": record.id, "object": "file", "deleted": True})
+    container = await _container(request, tenant, scope_id, create=False)
+    item = await manager.container_files.delete(container, file_id)
+    return json_response({"id": item.id, "type": "file_deleted"})
+
+
+@router.delete("", summary="Delete every file under a key prefix")
+async def delete_prefix(request: Request, scope_id: str = Query(...), prefix: str = Query(...),
+                        tenant: str = Depends(tenant_of)) -> Response:
+    if not prefix:
+        raise InvalidKey("prefix must not be empty")
+    container = await _container(request, tenant, scope_id, create=False)
+    count = await _manager(request).container_files.delete_prefix(container, prefix)
+    return json_response({"prefix": prefix, "deleted_count": count, "type": "prefix_deleted"})

@@ -1,0 +1,181 @@
+"""The files of a container as the Files and Containers APIs see them.
+
+The container's filesystem is the truth about which files exist: code may have
+written, replaced or removed any of them since the last look. The metadata
+store remembers what the filesystem cannot: when each file first appeared, who
+put it there, its etag. Every listing reconciles the two, so the order is
+stable (by creation time) and nothing the code did is missed.
+
+Upload keys are relative: ``data/q3.csv`` lands in ``/mnt/user-data/uploads/``,
+``outputs/chart.png`` in ``/mnt/user-data/outputs/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from shoal.sandbox import FileAccessError, FileMissing, guess_mime_type
+from shoal.sandbox.files import FileEntry, SandboxPath, parse_path
+from shoal.sandbox.mounts import OUTPUTS, UPLOADS
+from shoal.sandbox.result import encode_file_id
+from shoal.storage import ContainerRecord, FileRecord, MetadataStore
+
+from .containers import ContainerManager
+
+
+class InvalidKey(FileAccessError):
+    status = 400
+
+
+@dataclass(frozen=True)
+class ContainerFile:
+    record: FileRecord
+
+    @property
+    def id(self) -> str:
+        return encode_file_id(self.record.path)
+
+    @property
+    def path(self) -> str:
+        return self.record.path
+
+    @property
+    def filename(self) -> str:
+        return self.record.path.rsplit("/", 1)[-1]
+
+    @property
+    def key(self) -> str:
+        if self.record.path.startswith(UPLOADS + "/"):
+            return self.record.path[len(UPLOADS) + 1:]
+        if self.record.path.startswith(OUTPUTS + "/"):
+            return "outputs/" + self.record.path[len(OUTPUTS) + 1:]
+        return self.record.path
+
+    @property
+    def downloadable(self) -> bool:
+        return self.record.path.startswith(OUTPUTS + "/")
+
+    @property
+    def mime_type(self) -> str:
+        return guess_mime_type(self.filename)
+
+
+def path_for_key(key: str) -> SandboxPath:
+    """The sandbox path an upload key names, or InvalidKey."""
+    if not isinstance(key, str) or not key:
+        raise InvalidKey("a file key is required")
+    if key.startswith("/") or "\\" in key:
+        raise InvalidKey("a file key must be a relative path with '/' separators")
+    if key.endswith("/"):
+        raise InvalidKey("a file key must not end with '/'")
+    if "\x00" in key:
+        raise InvalidKey("a file key must not contain NUL bytes")
+    parts = key.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise InvalidKey("a file key must not contain '..', '.' or empty segments")
+    if parts[0] == "outputs":
+        if len(parts) == 1:
+            raise InvalidKey("a file key must name a file inside outputs/")
+        return SandboxPath(OUTPUTS, tuple(parts[1:]))
+    return SandboxPath(UPLOADS, tuple(parts))
+
+
+class _HashingReader:
+    def __init__(self, source: BinaryIO) -> None:
+        self._source = source
+        self.digest = hashlib.md5(usedforsecurity=False)
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self._source.read(size)
+        self.digest.update(chunk)
+        return chunk
+
+
+class ContainerFiles:
+    def __init__(self, containers: ContainerManager, metadata: MetadataStore) -> None:
+        self._containers = containers
+        self._metadata = metadata
+
+    async def list(self, record: ContainerRecord) -> list[ContainerFile]:
+        files = self._containers.files_of(record)
+
+        def scan() -> list[FileEntry]:
+            return [*files.list(SandboxPath(UPLOADS, ())), *files.list(SandboxPath(OUTPUTS, ()))]
+
+        entries = await asyncio.to_thread(scan)
+        known = {row.path: row for row in await self._metadata.list_files(record.tenant, record.id)}
+        current = []
+        for entry in entries:
+            path = entry.path.sandbox_path
+            row = known.pop(path, None)
+            if row is None or row.size != entry.size:
+                row = FileRecord(
+                    tenant=record.tenant, container_id=record.id, path=path,
+                    created_at=row.created_at if row else entry.modified_at, size=entry.size,
+                    source=row.source if row else ("assistant" if entry.path.mount == OUTPUTS else "user"),
+                    etag=None if row is None or row.size != entry.size else row.etag)
+                await self._metadata.put_file(row)
+            current.append(row)
+        if known:
+            await self._metadata.delete_files(record.tenant, record.id, list(known))
+        current.sort(key=lambda row: (row.created_at, row.path))
+        return [ContainerFile(row) for row in current]
+
+    async def get(self, record: ContainerRecord, file_id: str) -> ContainerFile:
+        path = _path_of_id(file_id)
+        for item in await self.list(record):
+            if item.path == path:
+                return item
+        raise _missing(file_id)
+
+    async def put(self, record: ContainerRecord, path: SandboxPath, source: BinaryIO,
+                  source_kind: str = "user") -> ContainerFile:
+        files = self._containers.files_of(record)
+        reader = _HashingReader(source)
+        size = await asyncio.to_thread(files.write, path, reader)
+        existing = {row.path: row for row in await self._metadata.list_files(record.tenant, record.id)}
+        previous = existing.get(path.sandbox_path)
+        row = FileRecord(tenant=record.tenant, container_id=record.id, path=path.sandbox_path,
+                         created_at=previous.created_at if previous else time.time(), size=size,
+                         source=source_kind, etag=reader.digest.hexdigest())
+        await self._metadata.put_file(row)
+        await self._containers.touch(record)
+        return ContainerFile(row)
+
+    async def open(self, record: ContainerRecord, file_id: str) -> tuple[ContainerFile, BinaryIO, int]:
+        item = await self.get(record, file_id)
+        handle, size = await asyncio.to_thread(
+            self._containers.files_of(record).open_for_reading, parse_path(item.path))
+        return item, handle, size
+
+    async def delete(self, record: ContainerRecord, file_id: str) -> ContainerFile:
+        item = await self.get(record, file_id)
+        await asyncio.to_thread(self._containers.files_of(record).delete, parse_path(item.path))
+        await self._metadata.delete_files(record.tenant, record.id, [item.path])
+        return item
+
+    async def delete_prefix(self, record: ContainerRecord, prefix: str) -> int:
+        doomed = [item for item in await self.list(record) if item.key.startswith(prefix)]
+        files = self._containers.files_of(record)
+        for item in doomed:
+            await asyncio.to_thread(files.delete, parse_path(item.path))
+        await self._metadata.delete_files(record.tenant, record.id, [item.path for item in doomed])
+        return len(doomed)
+
+
+def _path_of_id(file_id: str) -> str:
+    try:
+        path = parse_path(file_id)
+    except FileAccessError:
+        raise _missing(file_id) from None
+    if path.mount not in (UPLOADS, OUTPUTS) or not path.parts:
+        raise _missing(file_id)
+    return path.sandbox_path
+
+
+def _missing(file_id: str) -> FileAccessError:
+    return FileMissing(f"no file {file_id!r} in this container")

@@ -1,0 +1,25 @@
+"""Durable state behind two small interfaces: metadata and files.
+
+The sessions layer talks to :class:`MetadataStore` and :class:`FileStore` only;
+the embedded defaults (SQLite, a local directory of quota-bounded volumes) are
+chosen here, in one place, so other backends slot in without touching callers.
+"""
+
+from pathlib import Path
+
+from .filestore import FileStore, LocalFileStore
+from .metadata import ContainerRecord, FileRecord, MetadataStore, UploadRecord
+from .sqlite import SqliteMetadataStore
+
+__all__ = [
+    "ContainerRecord", "FileRecord", "FileStore", "LocalFileStore", "MetadataStore",
+    "SqliteMetadataStore", "UploadRecord", "open_metadata", "open_files",
+]
+
+
+def open_metadata(data_dir: Path) -> MetadataStore:
+    return SqliteMetadataStore(data_dir / "shoal.sqlite3")
+
+
+def open_files(data_dir: Path, run_dir: Path, quota_bytes: int, max_file_bytes: int) -> FileStore:
+    return LocalFileStore(data_dir, run_dir, quota_bytes, max_file_bytes)

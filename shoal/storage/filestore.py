@@ -1,0 +1,141 @@
+"""The file store: where containers' files and tenants' uploads live.
+
+Callers name files by tenant, container and sandbox path (or upload id) and
+get streams back; where the bytes sit is this module's secret. The embedded
+store keeps each container on a quota-bounded volume in the data directory and
+uploads as plain files beside them; an S3-compatible store would implement the
+same interface by materialising a container's files for the sandbox and
+syncing them back.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import os
+from pathlib import Path
+from typing import BinaryIO
+
+from shoal.sandbox import FileMissing, FileTooLarge, SandboxFiles
+from shoal.sandbox.mounts import SandboxHome
+from shoal.sandbox.volumes import Volume, mounts_under, unmount
+
+_CHUNK = 1 << 20
+
+
+class FileStore(abc.ABC):
+    # -- containers ---------------------------------------------------------------
+    @abc.abstractmethod
+    def home(self, tenant: str, container_id: str) -> SandboxHome:
+        """The container's files, ready to be attached to a sandbox."""
+
+    @abc.abstractmethod
+    def files(self, tenant: str, container_id: str, uid: int) -> SandboxFiles:
+        """Path-safe access to the container's files; new files belong to ``uid``."""
+
+    @abc.abstractmethod
+    def detach(self, tenant: str, container_id: str) -> None:
+        """No sandbox uses the container's files any more."""
+
+    @abc.abstractmethod
+    def destroy(self, tenant: str, container_id: str) -> None:
+        """Delete every file of the container."""
+
+    # -- uploads -------------------------------------------------------------------
+    @abc.abstractmethod
+    def write_upload(self, tenant: str, upload_id: str, source: BinaryIO) -> int: ...
+
+    @abc.abstractmethod
+    def open_upload(self, tenant: str, upload_id: str) -> tuple[BinaryIO, int]: ...
+
+    @abc.abstractmethod
+    def delete_upload(self, tenant: str, upload_id: str) -> None: ...
+
+    def close(self) -> None:
+        """Release what the store holds open (mounts); files stay."""
+
+
+def _key(text: str, length: int) -> str:
+    # Ids are client-chosen: never let one become a path component as it is.
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+class LocalFileStore(FileStore):
+    """Container volumes as image files in the data directory, mounted under the
+    run directory (which sandbox uids can traverse, whatever the data directory's
+    parents allow); tenant uploads as plain files, private to the server."""
+
+    def __init__(self, data_dir: Path, run_dir: Path, quota_bytes: int, max_file_bytes: int) -> None:
+        self._images = data_dir / "containers"
+        self._mounts = run_dir / "volumes"
+        self._uploads = data_dir / "uploads"
+        self._quota_bytes = quota_bytes
+        self._max_file_bytes = max_file_bytes
+        for directory in (self._images, self._uploads):
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for directory in (run_dir, self._mounts):
+            directory.mkdir(mode=0o711, parents=True, exist_ok=True)
+            os.chmod(directory, 0o711)  # sandbox uids traverse to their own volume only
+
+    def _volume(self, tenant: str, container_id: str) -> Volume:
+        tenant_key, name = _key(tenant, 16), _key(container_id, 24)
+        # A stable mount point: a volume left mounted by a killed server is
+        # found and reused, never mounted a second time.
+        return Volume(self._images / tenant_key / f"{name}.img", self._mounts / tenant_key / name)
+
+    def home(self, tenant: str, container_id: str) -> SandboxHome:
+        volume = self._volume(tenant, container_id)
+        volume.mount_point.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
+        home = SandboxHome(volume.mount_point)
+        if volume.exists:
+            volume.mount()
+        else:
+            volume.create(self._quota_bytes, journal=True)
+            home.create(uid=0)  # the next sandbox adopts it
+        return home
+
+    def files(self, tenant: str, container_id: str, uid: int) -> SandboxFiles:
+        return SandboxFiles(self.home(tenant, container_id), uid, self._max_file_bytes)
+
+    def detach(self, tenant: str, container_id: str) -> None:
+        self._volume(tenant, container_id).unmount()
+
+    def destroy(self, tenant: str, container_id: str) -> None:
+        self._volume(tenant, container_id).destroy()
+
+    def close(self) -> None:
+        for mount_point in mounts_under(self._mounts):
+            unmount(mount_point)
+
+    # -- uploads -------------------------------------------------------------------
+    def _upload_path(self, tenant: str, upload_id: str) -> Path:
+        return self._uploads / _key(tenant, 16) / _key(upload_id, 32)
+
+    def write_upload(self, tenant: str, upload_id: str, source: BinaryIO) -> int:
+        target = self._upload_path(tenant, upload_id)
+        target.parent.mkdir(mode=0o700, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        written = 0
+        try:
+            with open(partial, "wb") as handle:
+                while chunk := source.read(_CHUNK):
+                    written += len(chunk)
+                    if written > self._max_file_bytes:
+                        raise FileTooLarge(f"file is larger than {self._max_file_bytes} bytes")
+                    handle.write(chunk)
+            os.rename(partial, target)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        return written
+
+    def open_upload(self, tenant: str, upload_id: str) -> tuple[BinaryIO, int]:
+        path = self._upload_path(tenant, upload_id)
+        try:
+            handle = open(path, "rb")
+        except FileNotFoundError:
+            raise FileMissing(f"no such file: {upload_id}") from None
+        return handle, os.fstat(handle.fileno()).st_size
+
+    def delete_upload(self, tenant: str, upload_id: str) -> None:
+        self._upload_path(tenant, upload_id).unlink(missing_ok=True)

@@ -1,0 +1,112 @@
+"""The metadata store: what containers and files exist, whose they are, and when.
+
+A small interface with plain records, so that the embedded SQLite store and a
+later PostgreSQL one are interchangeable: nothing above this module writes SQL
+or knows which database answers. Every method is scoped by tenant; there is no
+way to ask for another tenant's rows.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class ContainerRecord:
+    tenant: str
+    id: str
+    name: str | None
+    created_at: float
+    last_active_at: float
+    expires_after_minutes: int
+    status: str = "active"  # active | expired | deleted
+    implicit: bool = False
+    memory_limit: str | None = None
+
+    @property
+    def expires_at(self) -> float:
+        return self.last_active_at + self.expires_after_minutes * 60
+
+    def touched(self, now: float) -> "ContainerRecord":
+        return replace(self, last_active_at=now)
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A file in a container, by its absolute sandbox path."""
+
+    tenant: str
+    container_id: str
+    path: str
+    created_at: float
+    size: int
+    source: str = "user"  # user | assistant
+    etag: str | None = None
+
+
+@dataclass(frozen=True)
+class UploadRecord:
+    """A file uploaded to a tenant's Files API, not (yet) in any container."""
+
+    tenant: str
+    id: str
+    filename: str
+    size: int
+    created_at: float
+    purpose: str | None = None
+    mime_type: str = "application/octet-stream"
+    extra: dict = field(default_factory=dict)
+
+
+class MetadataStore(abc.ABC):
+    @abc.abstractmethod
+    async def open(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    # -- containers ------------------------------------------------------------
+    @abc.abstractmethod
+    async def put_container(self, record: ContainerRecord) -> None:
+        """Insert or replace."""
+
+    @abc.abstractmethod
+    async def get_container(self, tenant: str, container_id: str) -> ContainerRecord | None: ...
+
+    @abc.abstractmethod
+    async def list_containers(self, tenant: str, status: str = "active") -> list[ContainerRecord]:
+        """Oldest first."""
+
+    @abc.abstractmethod
+    async def expired_containers(self, now: float) -> list[ContainerRecord]:
+        """Active containers, of every tenant, whose idle TTL has run out by ``now``."""
+
+    # -- container files -----------------------------------------------------------
+    @abc.abstractmethod
+    async def put_file(self, record: FileRecord) -> None:
+        """Insert or replace (an overwrite keeps the path, updates the rest)."""
+
+    @abc.abstractmethod
+    async def list_files(self, tenant: str, container_id: str) -> list[FileRecord]:
+        """Oldest first, ties broken by path."""
+
+    @abc.abstractmethod
+    async def delete_files(self, tenant: str, container_id: str, paths: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    async def delete_container_files(self, tenant: str, container_id: str) -> None: ...
+
+    # -- tenant uploads --------------------------------------------------------------
+    @abc.abstractmethod
+    async def put_upload(self, record: UploadRecord) -> None: ...
+
+    @abc.abstractmethod
+    async def get_upload(self, tenant: str, upload_id: str) -> UploadRecord | None: ...
+
+    @abc.abstractmethod
+    async def list_uploads(self, tenant: str) -> list[UploadRecord]:
+        """Oldest first."""
+
+    @abc.abstractmethod
+    async def delete_upload(self, tenant: str, upload_id: str) -> None: ...

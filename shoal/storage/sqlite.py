@@ -1,0 +1,196 @@
+"""The embedded metadata store: one SQLite file in the data directory.
+
+WAL mode keeps readers off the writer's back, and every write is committed
+before the call returns, so a server killed with SIGKILL loses nothing it
+acknowledged. Only portable SQL is used, so a PostgreSQL store can follow the
+same schema.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import aiosqlite
+
+from .metadata import ContainerRecord, FileRecord, MetadataStore, UploadRecord
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS containers (
+    tenant TEXT NOT NULL,
+    id TEXT NOT NULL,
+    name TEXT,
+    created_at REAL NOT NULL,
+    last_active_at REAL NOT NULL,
+    expires_after_minutes INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    implicit INTEGER NOT NULL,
+    memory_limit TEXT,
+    PRIMARY KEY (tenant, id)
+);
+CREATE INDEX IF NOT EXISTS containers_expiry ON containers (status, last_active_at);
+CREATE TABLE IF NOT EXISTS container_files (
+    tenant TEXT NOT NULL,
+    container_id TEXT NOT NULL,
+    path TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    size INTEGER NOT NULL,
+    source TEXT NOT NULL,
+    etag TEXT,
+    PRIMARY KEY (tenant, container_id, path)
+);
+CREATE TABLE IF NOT EXISTS uploads (
+    tenant TEXT NOT NULL,
+    id TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    purpose TEXT,
+    mime_type TEXT NOT NULL,
+    extra TEXT NOT NULL,
+    PRIMARY KEY (tenant, id)
+);
+"""
+
+_CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_after_minutes, "
+                      "status, implicit, memory_limit")
+
+
+def _container(row) -> ContainerRecord:
+    return ContainerRecord(tenant=row[0], id=row[1], name=row[2], created_at=row[3],
+                           last_active_at=row[4], expires_after_minutes=row[5], status=row[6],
+                           implicit=bool(row[7]), memory_limit=row[8])
+
+
+def _file(row) -> FileRecord:
+    return FileRecord(tenant=row[0], container_id=row[1], path=row[2], created_at=row[3],
+                      size=row[4], source=row[5], etag=row[6])
+
+
+def _upload(row) -> UploadRecord:
+    return UploadRecord(tenant=row[0], id=row[1], filename=row[2], size=row[3], created_at=row[4],
+                        purpose=row[5], mime_type=row[6], extra=json.loads(row[7]))
+
+
+class DataDirInUse(RuntimeError):
+    """Another server holds this data directory."""
+
+
+class SqliteMetadataStore(MetadataStore):
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._db: aiosqlite.Connection | None = None
+        self._lock: int | None = None
+
+    def _take_lock(self) -> None:
+        # Two servers on one data directory would mount the same volumes twice
+        # and corrupt them: the second one refuses to start.
+        fd = os.open(self._path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DataDirInUse(f"another Shoal server is using {self._path.parent}") from None
+        self._lock = fd
+
+    async def open(self) -> None:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        self._take_lock()
+        self._db = await aiosqlite.connect(self._path)
+        await self._db.execute("PRAGMA journal_mode=WAL")
+        await self._db.execute("PRAGMA synchronous=FULL")
+        await self._db.executescript(_SCHEMA)
+        await self._db.commit()
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._db.close()
+            self._db = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    @property
+    def db(self) -> aiosqlite.Connection:
+        if self._db is None:
+            raise RuntimeError("the metadata store is not open")
+        return self._db
+
+    async def _write(self, sql: str, parameters=()) -> None:
+        await self.db.execute(sql, parameters)
+        await self.db.commit()
+
+    async def _rows(self, sql: str, parameters=()) -> list:
+        async with self.db.execute(sql, parameters) as cursor:
+            return list(await cursor.fetchall())
+
+    # -- containers ------------------------------------------------------------
+    async def put_container(self, record: ContainerRecord) -> None:
+        await self._write(
+            f"INSERT OR REPLACE INTO containers ({_CONTAINER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)",
+            (record.tenant, record.id, record.name, record.created_at, record.last_active_at,
+             record.expires_after_minutes, record.status, int(record.implicit), record.memory_limit))
+
+    async def get_container(self, tenant: str, container_id: str) -> ContainerRecord | None:
+        rows = await self._rows(f"SELECT {_CONTAINER_COLUMNS} FROM containers "
+                                "WHERE tenant = ? AND id = ?", (tenant, container_id))
+        return _container(rows[0]) if rows else None
+
+    async def list_containers(self, tenant: str, status: str = "active") -> list[ContainerRecord]:
+        rows = await self._rows(f"SELECT {_CONTAINER_COLUMNS} FROM containers WHERE tenant = ? "
+                                "AND status = ? ORDER BY created_at, id", (tenant, status))
+        return [_container(row) for row in rows]
+
+    async def expired_containers(self, now: float) -> list[ContainerRecord]:
+        rows = await self._rows(f"SELECT {_CONTAINER_COLUMNS} FROM containers WHERE status = "
+                                "'active' AND last_active_at + expires_after_minutes * 60 <= ?",
+                                (now,))
+        return [_container(row) for row in rows]
+
+    # -- container files -----------------------------------------------------------
+    async def put_file(self, record: FileRecord) -> None:
+        await self._write(
+            "INSERT OR REPLACE INTO container_files (tenant, container_id, path, created_at, size, "
+            "source, etag) VALUES (?,?,?,?,?,?,?)",
+            (record.tenant, record.container_id, record.path, record.created_at, record.size,
+             record.source, record.etag))
+
+    async def list_files(self, tenant: str, container_id: str) -> list[FileRecord]:
+        rows = await self._rows(
+            "SELECT tenant, container_id, path, created_at, size, source, etag FROM container_files "
+            "WHERE tenant = ? AND container_id = ? ORDER BY created_at, path", (tenant, container_id))
+        return [_file(row) for row in rows]
+
+    async def delete_files(self, tenant: str, container_id: str, paths: list[str]) -> None:
+        await self.db.executemany(
+            "DELETE FROM container_files WHERE tenant = ? AND container_id = ? AND path = ?",
+            [(tenant, container_id, path) for path in paths])
+        await self.db.commit()
+
+    async def delete_container_files(self, tenant: str, container_id: str) -> None:
+        await self._write("DELETE FROM container_files WHERE tenant = ? AND container_id = ?",
+                          (tenant, container_id))
+
+    # -- tenant uploads --------------------------------------------------------------
+    async def put_upload(self, record: UploadRecord) -> None:
+        await self._write(
+            "INSERT OR REPLACE INTO uploads (tenant, id, filename, size, created_at, purpose, "
+            "mime_type, extra) VALUES (?,?,?,?,?,?,?,?)",
+            (record.tenant, record.id, record.filename, record.size, record.created_at,
+             record.purpose, record.mime_type, json.dumps(record.extra)))
+
+    async def get_upload(self, tenant: str, upload_id: str) -> UploadRecord | None:
+        rows = await self._rows("SELECT tenant, id, filename, size, created_at, purpose, mime_type, "
+                                "extra FROM uploads WHERE tenant = ? AND id = ?", (tenant, upload_id))
+        return _upload(rows[0]) if rows else None
+
+    async def list_uploads(self, tenant: str) -> list[UploadRecord]:
+        rows = await self._rows("SELECT tenant, id, filename, size, created_at, purpose, mime_type, "
+                                "extra FROM uploads WHERE tenant = ? ORDER BY created_at, id",
+                                (tenant,))
+        return [_upload(row) for row in rows]
+
+    async def delete_upload(self, tenant: str, upload_id: str) -> None:
+        await self._write("DELETE FROM uploads WHERE tenant = ? AND id = ?", (tenant, upload_id))

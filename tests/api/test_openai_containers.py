@@ -1,0 +1,108 @@
+"""The Containers API driven by the official ``openai`` package, pointed at Shoal."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused-on-an-open-server",
+                       max_retries=0) as sdk:
+        yield sdk
+
+
+def test_container_lifecycle(client):
+    created = client.containers.create(name="monthly-report",
+                                       expires_after={"anchor": "last_active_at", "minutes": 30})
+    assert created.id.startswith("cnt_")
+    assert created.name == "monthly-report"
+    assert created.object == "container"
+    assert created.expires_after.minutes == 30
+    assert created.expires_after.anchor == "last_active_at"
+
+    fetched = client.containers.retrieve(created.id)
+    assert (fetched.id, fetched.name, fetched.status) == (created.id, "monthly-report", "active")
+
+    listed = [c.id for c in client.containers.list(limit=100)]
+    assert created.id in listed
+
+    deleted = client.containers.delete(created.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        client.containers.retrieve(created.id)
+
+
+def test_container_list_paginates_with_cursor(client):
+    ids = [client.containers.create(name=f"page-{i}").id for i in range(5)]
+    page = client.containers.list(limit=2, order="asc")
+    seen = []
+    for container in page:  # the SDK follows `after` cursors by itself
+        seen.append(container.id)
+    assert [i for i in seen if i in ids] == ids
+    first = client.containers.list(limit=2, order="desc")
+    assert len(first.data) == 2 and first.has_more
+    for container_id in ids:
+        client.containers.delete(container_id)
+
+
+def test_container_files_upload_attach_read_delete(client):
+    container = client.containers.create(name="files")
+    uploaded = client.containers.files.create(container.id, file=("sales.csv", b"month,revenue\n1,10\n"))
+    assert uploaded.object == "container.file"
+    assert uploaded.container_id == container.id
+    assert uploaded.path == "/mnt/user-data/uploads/sales.csv"
+    assert uploaded.bytes == 19
+    assert uploaded.source == "user"
+
+    tenant_file = client.files.create(file=("notes.txt", b"attached by id"), purpose="user_data")
+    assert tenant_file.id.startswith("file-") and tenant_file.bytes == 14
+    attached = client.containers.files.create(container.id, file_id=tenant_file.id)
+    assert attached.path == "/mnt/user-data/uploads/notes.txt"
+
+    listed = {f.path: f for f in client.containers.files.list(container.id)}
+    assert set(listed) == {"/mnt/user-data/uploads/sales.csv", "/mnt/user-data/uploads/notes.txt"}
+
+    retrieved = client.containers.files.retrieve(uploaded.id, container_id=container.id)
+    assert retrieved.bytes == 19
+    content = client.containers.files.content.retrieve(attached.id, container_id=container.id)
+    assert content.read() == b"attached by id"
+
+    client.containers.files.delete(uploaded.id, container_id=container.id)
+    remaining = [f.path for f in client.containers.files.list(container.id)]
+    assert remaining == ["/mnt/user-data/uploads/notes.txt"]
+    with pytest.raises(openai.NotFoundError):
+        client.containers.files.retrieve(uploaded.id, container_id=container.id)
+    client.containers.delete(container.id)
+
+
+def test_create_with_file_ids_and_code_output_is_listed(client, server):
+    tenant_file = client.files.create(file=("input.txt", b"7\n"), purpose="user_data")
+    container = client.containers.create(name="with-files", file_ids=[tenant_file.id])
+    with server.client() as http:
+        session = http.post("/sessions", json={"container": container.id}).json()
+        result = http.post(f"/sessions/{session['session_id']}/exec", json={
+            "tool": "code_execution", "input": {"code": (
+                "n = int(open('/mnt/user-data/uploads/input.txt').read())\n"
+                "open('/mnt/user-data/outputs/square.txt', 'w').write(str(n * n))")}}).json()
+        assert result["result_block"]["content"]["return_code"] == 0
+        http.delete(f"/sessions/{session['session_id']}")
+    files = {f.path: f for f in client.containers.files.list(container.id)}
+    assert files["/mnt/user-data/outputs/square.txt"].source == "assistant"
+    assert files["/mnt/user-data/uploads/input.txt"].source == "user"
+    square = client.containers.files.content.retrieve(
+        files["/mnt/user-data/outputs/square.txt"].id, container_id=container.id)
+    assert square.read() == b"49"
+    client.containers.delete(container.id)
+
+
+def test_bad_requests_are_refused(client):
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.containers.create(name="x", expires_after={"anchor": "last_active_at", "minutes": 241})
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.containers.create(name="x", memory_limit="2g")  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        client.containers.create(name="x", file_ids=["file-doesnotexist"])
+    with pytest.raises(openai.NotFoundError):
+        client.containers.retrieve("cnt_doesnotexist")
