@@ -59,7 +59,7 @@ def serve(settings: Settings) -> int:
     configure_logging(settings.log_level)
     found = _startup_problems(settings)
     if found:
-        print("shoal: refusing to start, sandboxes cannot be isolated here:\n  - "
+        print("shoal: refusing to start:\n  - "
               + "\n  - ".join(found), file=sys.stderr)
         return 2
     from .app import create_app

@@ -10,8 +10,6 @@ read and deleted. Uploaded and attached files land in
 
 from __future__ import annotations
 
-import json
-
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from shoal.sandbox.files import SandboxPath
@@ -19,6 +17,7 @@ from shoal.sandbox.mounts import UPLOADS
 from shoal.sessions import ContainerFile, SessionManager
 from shoal.storage import ContainerRecord
 
+from ._bodies import read_json_object
 from ._pagination import check_limit, paginate
 from ._responses import file_response, json_response
 from ._uploads import read_upload
@@ -72,24 +71,11 @@ def _ordered(items: list, order: str) -> list:
     return list(reversed(items)) if order == "desc" else items
 
 
-async def _json_object(request: Request) -> dict:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise BadRequest(422, f"body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(422, "body must be a JSON object")
-    return body
-
-
 # -- containers -------------------------------------------------------------------------------
 @router.post("", summary="Create a container")
 async def create_container(request: Request, tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
-    body = await _json_object(request)
+    body = await read_json_object(request, required=False)
     name = body.get("name")
     if name is not None and not isinstance(name, str):
         raise BadRequest(422, "name must be a string")
@@ -169,7 +155,7 @@ async def create_file(container_id: str, request: Request,
         finally:
             await upload.close()
     else:
-        body = await _json_object(request)
+        body = await read_json_object(request, required=False)
         file_id = body.get("file_id")
         if not isinstance(file_id, str) or not file_id:
             raise BadRequest(422, "send a multipart 'file' or JSON {\"file_id\": ...}")

@@ -9,7 +9,6 @@ with a ``code_execution_result`` payload, never an error variant.
 
 from __future__ import annotations
 
-import json
 import secrets
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -17,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from shoal.sessions import ExecResult, Session, SessionManager, guess_mime_type
 
+from ._bodies import read_json_object
 from ._responses import file_response, json_response
 from ._uploads import read_upload
 from .auth import tenant_of
@@ -38,21 +38,6 @@ _json = json_response
 
 def _manager(request: Request) -> SessionManager:
     return request.app.state.manager
-
-
-async def _json_body(request: Request, required: bool) -> dict:
-    raw = await request.body()
-    if not raw.strip():
-        if required:
-            raise BadRequest(422, "a JSON object body is required")
-        return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(422, f"body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(422, "body must be a JSON object")
-    return body
 
 
 def _optional_positive_int(body: dict, name: str) -> int | None:
@@ -82,7 +67,7 @@ def handle(session: Session) -> dict:
 # -- sessions ------------------------------------------------------------------------
 @router.post("/sessions", status_code=201, summary="Lease a session")
 async def create_session(request: Request, tenant: str = Depends(tenant_of)) -> Response:
-    body = await _json_body(request, required=False)
+    body = await read_json_object(request, required=False)
     idle = _optional_positive_int(body, "idle_timeout_seconds")
     lifetime = _optional_positive_int(body, "max_lifetime_seconds")
     image = body.get("image") if isinstance(body.get("image"), str) else None
@@ -193,7 +178,7 @@ def render_exec(kind: str, tool_use_id: str, result: ExecResult) -> dict:
 @router.post("/sessions/{session_id}/exec", summary="Run one tool call in a session")
 async def execute(session_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
     session = _manager(request).get(tenant, session_id)
-    kind, tool, payload, timeout, tool_use_id = parse_exec(await _json_body(request, True))
+    kind, tool, payload, timeout, tool_use_id = parse_exec(await read_json_object(request))
     result = await session.run(tool, payload, timeout)
     request.app.state.metrics.observe_exec(kind, result)
     return _json(render_exec(kind, tool_use_id, result))

@@ -152,6 +152,8 @@ class SandboxFiles:
                     except OSError as exc:
                         raise _refusal(exc, part) from None
                 except OSError as exc:
+                    if exc.errno == errno.ENOTDIR and _is_symlink(part, fd):
+                        raise PathOutside(f"{part} is a symbolic link; links are not followed") from None
                     raise _refusal(exc, part) from None
                 os.close(fd)
                 fd = next_fd
@@ -282,6 +284,13 @@ def _walk(directory_fd: int, prefix: tuple[str, ...]) -> Iterator[tuple[tuple[st
                     pending.append((child, (*parts, entry.name)))
         finally:
             os.close(fd)
+
+
+def _is_symlink(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _refusal(exc: OSError, name: str) -> FileAccessError:

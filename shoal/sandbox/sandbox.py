@@ -125,7 +125,9 @@ class Sandbox:
     async def _call(self, message: dict, timeout: float | None,
                     on_output: OutputCallback | None) -> ExecResult:
         settings = self._pool.settings
-        requested = float(timeout) if timeout is not None else float(settings.default_timeout_seconds)
+        # min() before float(): an absurd integer timeout must clamp, not overflow.
+        requested = float(min(timeout, 10**9)) if timeout is not None else float(
+            settings.default_timeout_seconds)
         limit = min(requested, float(settings.max_timeout_seconds))
         message = {**message, "timeout": limit, "cap": settings.output_cap_bytes}
         collector = _Collector(settings.output_cap_bytes, on_output)

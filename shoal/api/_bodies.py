@@ -1,0 +1,37 @@
+"""Reading JSON request bodies the same strict way in every dialect.
+
+Anything that is not a JSON object a client could mean is a 422 with a reason:
+invalid JSON, nesting deep enough to exhaust the parser, or strings holding
+lone surrogates (valid JSON escapes, but not text: they could never be written
+to a file or echoed back).
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+
+from .errors import BadRequest
+
+
+async def read_json_object(request: Request, required: bool = True) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise BadRequest(422, "a JSON object body is required")
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(422, f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(422, "body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise BadRequest(422, "body must be a JSON object")
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(422, "body holds a string that is not valid Unicode "
+                              "(a lone surrogate escape)") from None
+    return body
