@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 from . import produced
 from .capture import OutputCapture
@@ -119,6 +120,7 @@ class Agent:
         except subprocess.TimeoutExpired:
             _kill_group(process.pid)
             process.wait()
+            _wait_group_gone(process.pid)
             return 124, True
         if return_code < 0:
             return_code = 128 - return_code
@@ -141,6 +143,17 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except OSError:
         pass
+
+
+def _wait_group_gone(pgid: int, patience: float = 1.0) -> None:
+    """Let bubblewrap's init reap the killed group before the call answers."""
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except OSError:
+            return
+        time.sleep(0.002)
 
 
 def _kill_everything_else() -> None:

@@ -70,8 +70,10 @@ def command_line(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
                  channel_fd: int, seccomp_fd: int) -> list[str]:
     return [
         "/bin/sh", "-c", _ATTACH_AND_EXEC, "sh", " ".join(cgroup.procs_files),
+        # nproc sits above the cgroup's pids.max, so that the cgroup limit is
+        # the one that fires (and is reported); the rlimit is the backstop.
         PRLIMIT, f"--nofile={config.open_files}", "--core=0",
-        f"--nproc={config.pids_limit}", "--",
+        f"--nproc={config.pids_limit + 64}", "--",
         SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
         "--inh-caps=-all", "--",
         BWRAP, *bwrap_arguments(home, config.runtime, config.agent_root, config.skills,

@@ -47,12 +47,13 @@ class SandboxPool:
         self._names = itertools.count(1)
         self._prefix = secrets.token_hex(3)
         self._closing = False
-        self._uids = UidAllocator(settings.uid_base, settings.uid_count)
+        self._uids = UidAllocator(settings.uid_base, settings.uid_count, settings.run_dir / "uids")
         self._cgroups: CgroupManager | None = None
         self._config: LaunchConfig | None = None
         self._limits = Limits(memory_bytes=settings.memory_limit_mib * MiB,
                               pids=settings.pids_limit, cpu_cores=settings.cpu_limit)
-        self._sandboxes_dir = settings.run_dir / f"sandboxes-{os.getpid()}"
+        # Named by process and pool, so pools never touch each other's files.
+        self._sandboxes_dir = settings.run_dir / f"sandboxes-{os.getpid()}-{self._prefix}"
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -154,11 +155,12 @@ class SandboxPool:
     # -- internals ------------------------------------------------------------------
     def _install_agent(self) -> Path:
         """Copy the agent's source where any sandbox uid may read it."""
-        self._agent_dir = self.settings.run_dir / f"agent-{os.getpid()}"
+        self._agent_dir = self.settings.run_dir / f"agent-{os.getpid()}-{self._prefix}"
         package = self._agent_dir / "shoal_agent"
         shutil.rmtree(self._agent_dir, ignore_errors=True)
-        package.mkdir(parents=True, mode=0o755)
+        self.settings.run_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         os.chmod(self.settings.run_dir, 0o711)
+        package.mkdir(parents=True, mode=0o755)
         os.chmod(self._agent_dir, 0o755)
         for source in AGENT_SOURCE.glob("*.py"):
             target = package / source.name

@@ -1,11 +1,17 @@
-"""Leases of unprivileged uids, one per live sandbox.
+"""Leases of unprivileged uids, one per live sandbox, host-wide.
 
 Two sandboxes never share a uid, so even a process that slipped out of its
-namespaces could not signal, ptrace or read the files of another sandbox. The
-uids come from a configured range that must not belong to any real account.
+namespaces could not signal, ptrace or read the files of another sandbox, and
+RLIMIT_NPROC (counted per uid) is a per-sandbox limit. Leases are lock files
+held with ``flock``, so the guarantee holds across pools and across servers
+sharing a uid range, and a crashed server's leases vanish with it.
 """
 
 from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
 
 
 class UidsExhausted(RuntimeError):
@@ -13,23 +19,35 @@ class UidsExhausted(RuntimeError):
 
 
 class UidAllocator:
-    def __init__(self, base: int, count: int) -> None:
-        self._free = list(range(base + count - 1, base - 1, -1))
-        self._leased: set[int] = set()
+    def __init__(self, base: int, count: int, lock_dir: Path) -> None:
+        self._base = base
+        self._count = count
+        self._lock_dir = lock_dir
+        self._next = 0
+        self._leased: dict[int, int] = {}  # uid -> fd holding its lock
 
     def lease(self) -> int:
-        if not self._free:
-            raise UidsExhausted("no sandbox uid is free; raise SHOAL_UID_COUNT")
-        uid = self._free.pop()
-        self._leased.add(uid)
-        return uid
+        self._lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for step in range(self._count):
+            # Round-robin: a uid released a moment ago is the last to be reused.
+            uid = self._base + (self._next + step) % self._count
+            if uid in self._leased:
+                continue
+            fd = os.open(self._lock_dir / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self._next = (self._next + step + 1) % self._count
+            self._leased[uid] = fd
+            return uid
+        raise UidsExhausted("no sandbox uid is free; raise SHOAL_UID_COUNT")
 
     def release(self, uid: int) -> None:
-        if uid in self._leased:
-            self._leased.remove(uid)
-            # Reuse the longest-free uid last, so a uid is not recycled while
-            # anything of its previous holder could still be settling.
-            self._free.insert(0, uid)
+        fd = self._leased.pop(uid, None)
+        if fd is not None:
+            os.close(fd)
 
     @property
     def leased(self) -> frozenset[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 MKFS = "/usr/sbin/mkfs.ext4"
@@ -42,7 +43,17 @@ def mounts_under(directory: Path) -> list[Path]:
 
 
 def unmount(mount_point: Path) -> None:
-    _run(["umount", str(mount_point)])
+    # The last processes of a killed sandbox may still hold the filesystem for
+    # a moment; retry briefly, then detach it lazily rather than leak it.
+    for _ in range(20):
+        try:
+            _run(["umount", str(mount_point)])
+            return
+        except VolumeError as exc:
+            if "busy" not in str(exc):
+                raise
+            time.sleep(0.05)
+    _run(["umount", "--lazy", str(mount_point)])
 
 
 class Volume:
