@@ -221,6 +221,22 @@ class CgroupManager:
             (unified / "cpu.max").write_text(f"{quota} {period}")
         return group
 
+    def sweep(self, is_stale) -> None:
+        """Remove groups whose name ``is_stale`` says were left by a dead owner."""
+        stale: dict[str, dict[str, Path]] = {}
+        for key, parent in self._parents.items():
+            if parent.is_dir():
+                for child in parent.iterdir():
+                    if child.is_dir() and is_stale(child.name):
+                        stale.setdefault(child.name, {})[key] = child
+        for directories in stale.values():
+            group = Cgroup(directories, self.version)
+            try:
+                group.kill()
+            except TimeoutError:
+                continue
+            group.remove()
+
     def leftovers(self, prefix: str) -> list[Path]:
         """Groups named with ``prefix`` that still exist; empty once all were removed."""
         found = []

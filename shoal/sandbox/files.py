@@ -204,6 +204,12 @@ class SandboxFiles:
         entries.sort(key=lambda entry: entry.path.parts)
         return entries
 
+    def stat(self, path: SandboxPath) -> FileEntry:
+        """Size and time of one regular file, without following links."""
+        handle, size = self.open_for_reading(path)
+        with handle:
+            return FileEntry(path, size, os.fstat(handle.fileno()).st_mtime)
+
     def delete(self, path: SandboxPath) -> None:
         """Remove one file (never a directory, never through a link)."""
         if not path.parts:

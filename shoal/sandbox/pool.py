@@ -45,7 +45,9 @@ class SandboxPool:
         self._warming: set[asyncio.Task] = set()
         self._wakeup = asyncio.Event()
         self._names = itertools.count(1)
-        self._prefix = secrets.token_hex(3)
+        # "<pid>.<random>": unique per pool, and tells a later server whose
+        # leftovers these are (a pid that no longer runs left them behind).
+        self._prefix = f"{os.getpid()}.{secrets.token_hex(3)}"
         self._closing = False
         self._uids = UidAllocator(settings.uid_base, settings.uid_count, settings.run_dir / "uids")
         self._cgroups: CgroupManager | None = None
@@ -53,13 +55,14 @@ class SandboxPool:
         self._limits = Limits(memory_bytes=settings.memory_limit_mib * MiB,
                               pids=settings.pids_limit, cpu_cores=settings.cpu_limit)
         # Named by process and pool, so pools never touch each other's files.
-        self._sandboxes_dir = settings.run_dir / f"sandboxes-{os.getpid()}-{self._prefix}"
+        self._sandboxes_dir = settings.run_dir / f"sandboxes-{self._prefix}"
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
         """Check isolation (fail closed), then warm the pool to its size."""
         preflight.require_isolation()
         self._cgroups = CgroupManager()
+        await asyncio.to_thread(self._sweep_stale)
         runtime = find_runtime(self.settings.runtime_dir)
         agent_root = self._install_agent()
         self._config = LaunchConfig(runtime=runtime, agent_root=agent_root, skills=None,
@@ -153,9 +156,24 @@ class SandboxPool:
         }
 
     # -- internals ------------------------------------------------------------------
+    def _sweep_stale(self) -> None:
+        """Reclaim what pools of dead processes left behind (a server killed with
+        SIGKILL): their cgroups, volume mounts, images and directories."""
+        assert self._cgroups is not None
+        self._cgroups.sweep(_left_by_dead_process)
+        if not self.settings.run_dir.is_dir():
+            return
+        for directory in self.settings.run_dir.iterdir():
+            kind, _, owner = directory.name.partition("-")
+            if kind in ("sandboxes", "agent") and _left_by_dead_process(owner):
+                log.info("reclaiming %s, left by a process that is gone", directory)
+                for mount_point in mounts_under(directory):
+                    unmount(mount_point)
+                shutil.rmtree(directory, ignore_errors=True)
+
     def _install_agent(self) -> Path:
         """Copy the agent's source where any sandbox uid may read it."""
-        self._agent_dir = self.settings.run_dir / f"agent-{os.getpid()}-{self._prefix}"
+        self._agent_dir = self.settings.run_dir / f"agent-{self._prefix}"
         package = self._agent_dir / "shoal_agent"
         shutil.rmtree(self._agent_dir, ignore_errors=True)
         self.settings.run_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
@@ -244,6 +262,20 @@ class SandboxPool:
         await asyncio.to_thread(sandbox._remove)
         self._uids.release(sandbox.uid)
         self._wakeup.set()
+
+
+def _left_by_dead_process(name: str) -> bool:
+    """Whether a "<pid>.<random>..." name belongs to a process no longer running."""
+    pid_text = name.split(".", 1)[0]
+    if not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -20,8 +20,8 @@ from typing import BinaryIO
 
 from shoal.sandbox import FileAccessError, FileMissing, guess_mime_type
 from shoal.sandbox.files import FileEntry, SandboxPath, parse_path
-from shoal.sandbox.mounts import OUTPUTS, UPLOADS
-from shoal.sandbox.result import encode_file_id
+from shoal.sandbox.mounts import OUTPUTS, UPLOADS, WORKSPACE
+from shoal.sandbox.result import decode_file_id, encode_file_id
 from shoal.storage import ContainerRecord, FileRecord, MetadataStore
 
 from .containers import ContainerManager
@@ -127,8 +127,14 @@ class ContainerFiles:
 
     async def get(self, record: ContainerRecord, file_id: str) -> ContainerFile:
         path = _path_of_id(file_id)
+        if path.mount == WORKSPACE:
+            # Workspace files are not listed, but addressable by id all the same.
+            entry = await asyncio.to_thread(self._containers.files_of(record).stat, path)
+            return ContainerFile(FileRecord(tenant=record.tenant, container_id=record.id,
+                                            path=path.sandbox_path, created_at=entry.modified_at,
+                                            size=entry.size, source="assistant"))
         for item in await self.list(record):
-            if item.path == path:
+            if item.path == path.sandbox_path:
                 return item
         raise _missing(file_id)
 
@@ -167,14 +173,17 @@ class ContainerFiles:
         return len(doomed)
 
 
-def _path_of_id(file_id: str) -> str:
+def _path_of_id(file_id: str) -> SandboxPath:
+    decoded = decode_file_id(file_id)
+    if decoded is None:
+        raise _missing(file_id)
     try:
-        path = parse_path(file_id)
+        path = parse_path(decoded, allow_file_id=False)
     except FileAccessError:
         raise _missing(file_id) from None
-    if path.mount not in (UPLOADS, OUTPUTS) or not path.parts:
+    if not path.parts:
         raise _missing(file_id)
-    return path.sandbox_path
+    return path
 
 
 def _missing(file_id: str) -> FileAccessError:

@@ -5,8 +5,9 @@ used. Sessions and runs acquire a container's sandbox (starting a fresh one on
 the container's files if none is live) and release it; once no one has used it
 for a while it is shut down, and its files stay. A container whose idle TTL
 runs out expires: its sandbox stops and its files are deleted. Deletion is the
-same, on request. Both leave the metadata row, so the id answers 404 from then
-on rather than silently meaning something else.
+same, on request. Both leave the metadata row: reads of the id answer 404, and
+only a write that names it again (Zylon's "used, it exists") makes a new, empty
+container under the same id.
 """
 
 from __future__ import annotations

@@ -67,13 +67,15 @@ class LocalFileStore(FileStore):
 
     def __init__(self, data_dir: Path, run_dir: Path, quota_bytes: int, max_file_bytes: int) -> None:
         self._images = data_dir / "containers"
-        self._mounts = run_dir / "volumes"
+        # Mount points are keyed by the data directory too: two servers with
+        # their own data dirs never meet in a shared run directory.
+        self._mounts = run_dir / "volumes" / _key(str(data_dir.resolve()), 16)
         self._uploads = data_dir / "uploads"
         self._quota_bytes = quota_bytes
         self._max_file_bytes = max_file_bytes
         for directory in (self._images, self._uploads):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for directory in (run_dir, self._mounts):
+        for directory in (run_dir, self._mounts.parent, self._mounts):
             directory.mkdir(mode=0o711, parents=True, exist_ok=True)
             os.chmod(directory, 0o711)  # sandbox uids traverse to their own volume only
 

@@ -171,5 +171,5 @@ def test_sigterm_finishes_running_calls_then_cleans_up(server_factory):
     assert server.process.wait(30) in (0, -signal.SIGTERM)
     assert _processes_with_uids(uid_base, uid_base + 4096) == []
     pid = server.process.pid
-    assert not list(Path("/run/shoal-test").glob(f"sandboxes-{pid}-*"))
-    assert not list(Path("/run/shoal-test").glob(f"agent-{pid}-*"))
+    assert not list(Path("/run/shoal-test").glob(f"sandboxes-{pid}.*"))
+    assert not list(Path("/run/shoal-test").glob(f"agent-{pid}.*"))
