@@ -211,8 +211,15 @@ class SandboxPool:
             uid = self._uids.lease()
             home = SandboxHome(self._sandboxes_dir / name)
             cgroup = None
+            # A cancelled await does not stop the worker thread: shield it, and
+            # on cancellation wait for it, so the cleanup knows what it made.
+            preparing = asyncio.ensure_future(asyncio.to_thread(self._prepare, name, uid, home))
             try:
-                cgroup = await asyncio.to_thread(self._prepare, name, uid, home)
+                try:
+                    cgroup = await asyncio.shield(preparing)
+                except asyncio.CancelledError:
+                    cgroup = await _outcome(preparing)
+                    raise
                 sandbox = Sandbox(self, name, uid, home, cgroup, None)
                 sandbox.release_home = lambda: self._volume_of(name).destroy()
                 sandbox._process = await self._spawn(sandbox)
@@ -238,6 +245,7 @@ class SandboxPool:
             cgroup.kill()
             cgroup.remove()
         if name is not None:
+            self._cgroups.sweep(lambda group: group == name)  # a half-made group, if any
             self._volume_of(name).destroy()
         self._uids.release(uid)
 
@@ -262,6 +270,12 @@ class SandboxPool:
         await asyncio.to_thread(sandbox._remove)
         self._uids.release(sandbox.uid)
         self._wakeup.set()
+
+
+async def _outcome(future: asyncio.Future):
+    """The result of a future once it is done, or None if it failed."""
+    await asyncio.wait([future])
+    return None if future.cancelled() or future.exception() else future.result()
 
 
 def _left_by_dead_process(name: str) -> bool:
