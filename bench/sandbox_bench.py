@@ -44,9 +44,9 @@ def progress(message: str) -> None:
     print(f"... {message}", file=sys.stderr, flush=True)
 
 
-async def measure(preload: str, sandboxes: int, calls: int) -> None:
-    label = f"preload={preload or 'none'}"
-    settings = Settings(pool_size=sandboxes, preload_modules=preload,
+async def measure(launcher: str, preload: str, sandboxes: int, calls: int) -> None:
+    label = f"launcher={launcher} preload={preload or 'none'}"
+    settings = Settings(pool_size=sandboxes, preload_modules=preload, launcher=launcher,
                         run_dir=Path("/run/shoal-bench"))
     pool = SandboxPool(settings)
     progress(f"[{label}] warming {sandboxes} sandboxes")
@@ -112,8 +112,9 @@ async def main() -> None:
     parser.add_argument("--sandboxes", type=int, default=12)
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
-    await measure("numpy,pandas", args.sandboxes, args.calls)
-    await measure("", args.sandboxes, args.calls // 4)
+    await measure("zygote", "numpy,pandas", args.sandboxes, args.calls)
+    await measure("bwrap", "numpy,pandas", args.sandboxes, args.calls)
+    await measure("bwrap", "", args.sandboxes, args.calls // 4)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(50 * MiB, ge=1, description="Largest file accepted or served.")
 
     # -- the sandbox -----------------------------------------------------------
+    launcher: str = Field("bwrap", pattern="^(bwrap|zygote)$",
+                          description="How sandboxes start: 'bwrap' (a bubblewrap process "
+                                      "each) or 'zygote' (forked from one process with the "
+                                      "preloaded modules imported, sharing their memory).")
     pool_size: int = Field(4, ge=0, description="Warm sandboxes kept ready to lease.")
     preload_modules: str = Field("numpy,pandas", description="Modules imported in every warm "
                                                              "sandbox before it is leased.")

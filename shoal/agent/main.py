@@ -168,14 +168,18 @@ def _kill_everything_else() -> None:
 
 
 def main() -> None:
-    fd = int(sys.argv[1]) if len(sys.argv) > 1 else CHANNEL_FD
+    serve_channel(int(sys.argv[1]) if len(sys.argv) > 1 else CHANNEL_FD)
+
+
+def serve_channel(fd: int) -> None:
     channel = socket.socket(fileno=fd)
     os.set_inheritable(fd, False)
     devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
+    for std in (0, 1, 2):
+        os.dup2(devnull, std)
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.reconfigure(line_buffering=True)
     Agent(channel).serve()
 
 

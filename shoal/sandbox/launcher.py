@@ -28,6 +28,7 @@ from . import seccomp
 from .cgroups import Cgroup
 from .channel import Channel, ChannelClosed
 from .mounts import AGENT_ROOT, RUNTIME, SandboxHome, bwrap_arguments
+from .zygote import Zygote, spawn_spec
 
 BWRAP = "/usr/bin/bwrap"
 SETPRIV = "/usr/bin/setpriv"
@@ -54,13 +55,24 @@ class LaunchConfig:
     tmp_size_bytes: int
     pids_limit: int
     open_files: int = 4096
+    # When set, sandboxes are forked from the zygote instead of started by bwrap.
+    zygote: Zygote | None = None
+
+    @property
+    def nproc(self) -> int:
+        # Above the cgroup's pids.max, so that the cgroup limit is the one that
+        # fires (and is reported); the rlimit is the backstop.
+        return self.pids_limit + 64
 
 
 @dataclass
 class SandboxProcess:
-    popen: subprocess.Popen
+    """A sandbox's process tree: bwrap's (``popen``) or a zygote fork's (``outer_pid``)."""
+
+    popen: subprocess.Popen | None
     channel: Channel
     agent_pid: int
+    outer_pid: int = 0
 
     def close_channel(self) -> None:
         self.channel.close()
@@ -70,10 +82,7 @@ def command_line(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
                  channel_fd: int, seccomp_fd: int) -> list[str]:
     return [
         "/bin/sh", "-c", _ATTACH_AND_EXEC, "sh", " ".join(cgroup.procs_files),
-        # nproc sits above the cgroup's pids.max, so that the cgroup limit is
-        # the one that fires (and is reported); the rlimit is the backstop.
-        PRLIMIT, f"--nofile={config.open_files}", "--core=0",
-        f"--nproc={config.pids_limit + 64}", "--",
+        PRLIMIT, f"--nofile={config.open_files}", "--core=0", f"--nproc={config.nproc}", "--",
         SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
         "--inh-caps=-all", "--",
         BWRAP, *bwrap_arguments(home, config.runtime, config.agent_root, config.skills,
@@ -84,17 +93,27 @@ def command_line(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
 
 async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgroup) -> SandboxProcess:
     host_end, sandbox_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    seccomp_fd = seccomp.write_filter_fd()
     errors = tempfile.TemporaryFile()
+    popen = None
+    outer_pid = 0
     try:
-        os.set_inheritable(sandbox_end.fileno(), True)
-        argv = command_line(config, home, uid, cgroup, sandbox_end.fileno(), seccomp_fd)
-        popen = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
-            env={}, cwd="/", pass_fds=(sandbox_end.fileno(), seccomp_fd), start_new_session=True)
+        if config.zygote is not None:
+            spec = spawn_spec(home, uid, cgroup.procs_files, config.skills, config.tmp_size_bytes,
+                              config.open_files, config.nproc)
+            outer_pid = await config.zygote.spawn(spec, sandbox_end.fileno(), home.root)
+        else:
+            seccomp_fd = seccomp.write_filter_fd()
+            try:
+                os.set_inheritable(sandbox_end.fileno(), True)
+                argv = command_line(config, home, uid, cgroup, sandbox_end.fileno(), seccomp_fd)
+                popen = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
+                    env={}, cwd="/", pass_fds=(sandbox_end.fileno(), seccomp_fd),
+                    start_new_session=True)
+            finally:
+                os.close(seccomp_fd)
     finally:
         sandbox_end.close()
-        os.close(seccomp_fd)
     channel = None
     try:
         channel = await Channel.open(host_end)
@@ -104,17 +123,21 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
             channel.close()
         else:
             host_end.close()
-        await asyncio.shield(asyncio.to_thread(stop_process_tree, popen, cgroup))
+        process = SandboxProcess(popen, channel, 0, outer_pid)  # type: ignore[arg-type]
+        await asyncio.shield(asyncio.to_thread(stop_process_tree, process, cgroup))
         errors.seek(0)
         detail = errors.read(4000).decode(errors="replace").strip()
         errors.close()
+        if config.zygote is not None:
+            detail = config.zygote.diagnostics()
         if isinstance(exc, (ChannelClosed, asyncio.TimeoutError)):
-            raise LaunchFailed(f"sandbox did not start (exit status {popen.returncode}): "
+            status = popen.returncode if popen is not None else "unknown"
+            raise LaunchFailed(f"sandbox did not start (exit status {status}): "
                                f"{detail or 'no diagnostics'}") from None
         raise
     errors.close()
     agent_pid = hello.get("pid") if isinstance(hello.get("pid"), int) else 0
-    return SandboxProcess(popen=popen, channel=channel, agent_pid=agent_pid)
+    return SandboxProcess(popen=popen, channel=channel, agent_pid=agent_pid, outer_pid=outer_pid)
 
 
 def _children(pid: int) -> list[int]:
@@ -125,22 +148,27 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def stop_process_tree(popen: subprocess.Popen, cgroup: Cgroup) -> None:
+def stop_process_tree(process: SandboxProcess, cgroup: Cgroup) -> None:
     """Kill a sandbox's processes and reap the ones that are ours to reap.
 
-    bubblewrap's init goes first: the kernel then ends its whole pid namespace,
-    the outer bwrap reaps it and exits, and nothing is orphaned to the host's
-    init as a zombie. The cgroup sweep catches anything that got away.
+    The sandbox's init goes first: the kernel then ends its whole pid
+    namespace, the outer process reaps it and exits, and nothing is orphaned
+    to the host's init as a zombie. The cgroup sweep catches anything that got
+    away. (A zygote's forks are the zygote's children; it reaps them.)
     """
-    for child in _children(popen.pid):
+    outer = process.popen.pid if process.popen is not None else process.outer_pid
+    if outer:
+        for child in _children(outer):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if process.popen is not None:
         try:
-            os.kill(child, signal.SIGKILL)
-        except ProcessLookupError:
+            process.popen.wait(2)
+        except subprocess.TimeoutExpired:
             pass
-    try:
-        popen.wait(2)
-    except subprocess.TimeoutExpired:
-        pass
     cgroup.kill()
-    popen.kill()
-    popen.wait()
+    if process.popen is not None:
+        process.popen.kill()
+        process.popen.wait()

@@ -41,6 +41,10 @@ SANDBOX_ENV = {
     "PIP_NO_INDEX": "1",
     "VIRTUAL_ENV": RUNTIME,
     "TERM": "dumb",
+    # A sandbox has one core: one BLAS thread (and no thread pool to inherit).
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
 }
 
 
@@ -103,6 +107,11 @@ class SandboxHome:
                         pass
 
 
+def etc_entries() -> list[Path]:
+    """The host /etc entries every sandbox sees, read-only."""
+    return [Path("/etc") / entry for entry in _ETC_ENTRIES if (Path("/etc") / entry).exists()]
+
+
 def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,
                     skills: Path | None, tmp_size_bytes: int, seccomp_fd: int) -> list[str]:
     args = [
@@ -120,10 +129,8 @@ def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,
         "--size", str(tmp_size_bytes), "--tmpfs", "/dev/shm",
         "--dir", "/etc",
     ]
-    for entry in _ETC_ENTRIES:
-        source = Path("/etc") / entry
-        if source.exists():
-            args += ["--ro-bind", str(source), str(source)]
+    for source in etc_entries():
+        args += ["--ro-bind", str(source), str(source)]
     for name in ("passwd", "group", "hosts"):
         args += ["--ro-bind", str(home.etc / name), f"/etc/{name}"]
     args += [

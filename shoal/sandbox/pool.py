@@ -26,6 +26,7 @@ from .cgroups import CgroupManager, Limits
 from .launcher import LaunchConfig, SandboxProcess, launch, stop_process_tree
 from .mounts import SandboxHome
 from .volumes import Volume, mounts_under, unmount
+from .zygote import Zygote
 from .runtime import find_runtime
 from .sandbox import Sandbox
 from .uids import UidAllocator
@@ -56,6 +57,7 @@ class SandboxPool:
                               pids=settings.pids_limit, cpu_cores=settings.cpu_limit)
         # Named by process and pool, so pools never touch each other's files.
         self._sandboxes_dir = settings.run_dir / f"sandboxes-{self._prefix}"
+        self._zygote: Zygote | None = None
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -65,9 +67,12 @@ class SandboxPool:
         await asyncio.to_thread(self._sweep_stale)
         runtime = find_runtime(self.settings.runtime_dir)
         agent_root = self._install_agent()
+        if self.settings.launcher == "zygote":
+            self._zygote = Zygote(runtime, agent_root, self.settings.preload)
+            await self._zygote.start()
         self._config = LaunchConfig(runtime=runtime, agent_root=agent_root, skills=None,
                                     tmp_size_bytes=self.settings.tmp_size_mib * MiB,
-                                    pids_limit=self.settings.pids_limit)
+                                    pids_limit=self.settings.pids_limit, zygote=self._zygote)
         self._sandboxes_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         # One sandbox up front proves that isolation works here before we serve.
         first = await self._launch_new()
@@ -95,6 +100,8 @@ class SandboxPool:
         await asyncio.gather(*self._warming, return_exceptions=True)
         await asyncio.gather(*(sandbox.close() for sandbox in list(self._live)),
                              return_exceptions=True)
+        if self._zygote is not None:
+            self._zygote.close()
         for mount_point in mounts_under(self._sandboxes_dir):
             unmount(mount_point)  # never rmtree through a volume still mounted
         shutil.rmtree(self._sandboxes_dir, ignore_errors=True)
@@ -253,13 +260,13 @@ class SandboxPool:
         assert self._config is not None
         process = await launch(self._config, sandbox.home, sandbox.uid, sandbox._cgroup)
         try:
-            if preload and self.settings.preload:
+            # A zygote's forks have the modules imported already.
+            if preload and self.settings.preload and self._zygote is None:
                 await process.channel.call({"op": "preload", "modules": self.settings.preload},
                                            lambda stream, data: None)
         except BaseException:
             process.close_channel()
-            await asyncio.shield(asyncio.to_thread(stop_process_tree, process.popen,
-                                                   sandbox._cgroup))
+            await asyncio.shield(asyncio.to_thread(stop_process_tree, process, sandbox._cgroup))
             raise
         return process
 

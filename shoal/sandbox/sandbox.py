@@ -233,7 +233,7 @@ class Sandbox:
         self._process = await self._pool._spawn(self)
 
     def _stop_processes(self) -> None:
-        stop_process_tree(self._process.popen, self._cgroup)
+        stop_process_tree(self._process, self._cgroup)
 
     def _remove(self) -> None:
         """Blocking teardown: processes, cgroup, directories. Called by the pool."""

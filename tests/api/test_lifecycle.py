@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import signal
 import threading
 import time
@@ -173,3 +174,25 @@ def test_sigterm_finishes_running_calls_then_cleans_up(server_factory):
     pid = server.process.pid
     assert not list(Path("/run/shoal-test").glob(f"sandboxes-{pid}.*"))
     assert not list(Path("/run/shoal-test").glob(f"agent-{pid}.*"))
+
+
+def test_a_zygote_server_serves_sessions_and_containers(server_factory):
+    server = server_factory(launcher="zygote", pool_size=2)
+    with server.client() as client:
+        sid = _create(client)["session_id"]
+        body = client.post(f"/sessions/{sid}/exec", json={
+            "tool": "code_execution",
+            "input": {"code": "import sys\n'pandas' in sys.modules, __import__('os').getuid()"}}).json()
+        preloaded, uid = ast.literal_eval(body["result_block"]["content"]["stdout"])
+        assert preloaded is True and uid >= 1000
+        client.delete(f"/sessions/{sid}")
+        attached = _create(client, container="zygote-box")["session_id"]
+        wrote = client.post(f"/sessions/{attached}/exec", json={
+            "tool": "bash_code_execution", "input": {"command": "echo kept > kept.txt && cat kept.txt"}})
+        assert wrote.json()["result_block"]["content"]["stdout"] == "kept\n"
+        client.delete(f"/sessions/{attached}")
+        again = _create(client, container="zygote-box")["session_id"]
+        read = client.post(f"/sessions/{again}/exec", json={
+            "tool": "bash_code_execution", "input": {"command": "cat kept.txt"}})
+        assert read.json()["result_block"]["content"]["stdout"] == "kept\n"
+        client.delete(f"/sessions/{again}")

@@ -1,0 +1,284 @@
+"""The zygote: one process with the heavy libraries imported, forking sandboxes.
+
+Importing numpy and pandas costs each sandbox ~300 ms and ~40 MiB of private
+memory. The zygote pays that once; every sandbox is a fork of it, so the
+imported modules' pages are shared copy-on-write between all of them (with
+``gc.freeze()`` so the collector does not touch, and so copy, every object).
+
+A fork must end up exactly as isolated as a bubblewrap sandbox, so each one
+builds the same walls itself, in this order, before any untrusted code runs:
+
+    outer  joins the sandbox's cgroups, unshares mount/pid/net/ipc/uts/cgroup
+           namespaces, forks, and waits (it is the sandbox's handle, like bwrap's)
+    init   pid 1 of the new namespace: private mounts on a fresh tmpfs root
+           (the same manifest as bwrap's), pivot_root, hostname, rlimits,
+           drop to the sandbox uid with no groups and no capabilities,
+           no_new_privs, the seccomp filter; then forks the agent and reaps
+    agent  the usual agent, serving the channel it was handed
+
+The zygote itself runs as root in a private mount namespace that shows the
+runtime at /opt/shoal/runtime, so the imported modules' paths are valid inside
+every sandbox. It runs only our code; it never runs a line from a client.
+Standard library only, like the rest of the agent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import platform
+import select
+import signal
+import socket
+import struct
+import sys
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP = 0x20000000, 0x40000000, 0x02000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
+PR_SET_CHILD_SUBREAPER, SECCOMP_MODE_FILTER, PR_CAPBSET_DROP, PR_SET_DUMPABLE = 36, 2, 24, 4
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}[platform.machine()]
+SYS_MOVE_MOUNT = 429  # the same number on x86_64 and aarch64
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+AT_FDCWD = -100
+HOME_TOKEN = "@home"
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"{what}: {os.strerror(error)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(_libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(),
+                       ctypes.c_ulong(flags), data and data.encode()), f"mount {target}")
+
+
+def _prctl(option: int, value) -> None:
+    _check(_libc.prctl(option, value, 0, 0, 0), f"prctl {option}")
+
+
+# -- the sandbox's filesystem ----------------------------------------------------------------
+def _bind(root: str, source: str, target: str, writable: bool) -> None:
+    path = root + target
+    if os.path.isdir(source):
+        os.makedirs(path, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "a").close()
+    _mount(source, path, None, MS_BIND | MS_REC)
+    flags = MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY)
+    _mount(None, path, None, flags)
+
+
+def _tmpfs(path: str, size: int, mode: str = "1777", flags: int = MS_NOSUID | MS_NODEV) -> None:
+    os.makedirs(path, exist_ok=True)
+    _mount("tmpfs", path, "tmpfs", flags, f"size={size},mode={mode}")
+
+
+def _build_root(spec: dict, home_tree_fd: int) -> None:
+    """Mount the manifest on a fresh tmpfs and make it the root.
+
+    The sandbox's own files arrive as a detached mount tree (``open_tree`` on
+    the host): their volume was mounted after this namespace was copied, so no
+    path would reach it. Attached at a staging point, its directories are bound
+    into place like every other entry, and the staging point is dropped.
+    """
+    root = spec["root"]
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    os.makedirs(root, exist_ok=True)
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1048576,mode=0755")
+    staging = root + "/.home"
+    os.makedirs(staging)
+    _check(_libc.syscall(SYS_MOVE_MOUNT, home_tree_fd, b"", AT_FDCWD, staging.encode(),
+                         MOVE_MOUNT_F_EMPTY_PATH), "move_mount")
+    os.close(home_tree_fd)
+    for source, target, writable in spec["binds"]:
+        if source.startswith(HOME_TOKEN):
+            source = staging + source[len(HOME_TOKEN):]
+        _bind(root, source, target, writable)
+    _check(_libc.umount2(staging.encode(), MNT_DETACH), "umount staging")
+    os.rmdir(staging)
+    for link, target in spec["symlinks"]:
+        os.symlink(target, root + link)
+    for directory in spec["directories"]:
+        os.makedirs(root + directory, exist_ok=True)
+    # /dev: a tmpfs with the harmless devices only, bound from the host.
+    _tmpfs(root + "/dev", 65536, "0755", MS_NOSUID)
+    for name in DEVICES:
+        open(f"{root}/dev/{name}", "a").close()
+        _mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{root}/dev/{name}")
+    _tmpfs(root + "/dev/shm", spec["tmp_size"])
+    _tmpfs(root + "/tmp", spec["tmp_size"])
+    os.makedirs(root + "/proc", exist_ok=True)
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.makedirs(root + "/.old-root")
+    _check(_libc.syscall(SYS_PIVOT_ROOT, root.encode(), (root + "/.old-root").encode()), "pivot_root")
+    os.chdir("/")
+    _check(_libc.umount2(b"/.old-root", MNT_DETACH), "umount old root")
+    os.rmdir("/.old-root")
+    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _drop_privileges(spec: dict) -> None:
+    import resource
+
+    uid = spec["uid"]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (spec["nofile"], spec["nofile"]))
+    resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    for capability in range(64):  # empty the bounding set, as bubblewrap does
+        if _libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0 and ctypes.get_errno() == 22:
+            break  # EINVAL: past the last capability this kernel knows
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # from root to non-root: every capability is dropped
+    # Changing credentials made us non-dumpable, which hides /proc/self from the
+    # code we run; inside one sandbox there is nothing to hide from itself.
+    _prctl(PR_SET_DUMPABLE, 1)
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    program = bytes.fromhex(spec["seccomp"])
+    buffer = ctypes.create_string_buffer(program)
+    fprog = struct.pack("HL", len(program) // 8, ctypes.addressof(buffer))
+    fprog_buffer = ctypes.create_string_buffer(fprog)
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog_buffer, 0, 0), "seccomp")
+
+
+def _close_fds_except(keep: int) -> None:
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd != keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+# -- the three processes of a sandbox ------------------------------------------------------------
+def _outer(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setsid()
+    for procs in spec["cgroup_procs"]:
+        with open(procs, "w") as handle:
+            handle.write(str(os.getpid()))
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID
+                         | CLONE_NEWCGROUP), "unshare")
+    child = os.fork()
+    if child == 0:
+        _init(spec, channel_fd, home_tree_fd)
+        os._exit(0)
+    os.close(channel_fd)
+    os.close(home_tree_fd)
+    # The outer process only waits: it does so as the sandbox's uid, like bwrap's.
+    uid = spec["uid"]
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a credential change cleared it
+    _, status = os.waitpid(child, 0)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _init(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
+    try:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        _build_root(spec, home_tree_fd)
+        _check(_libc.sethostname(b"sandbox", 7), "sethostname")
+        _close_fds_except(channel_fd)
+        _drop_privileges(spec)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the credential change cleared it
+    except BaseException as exc:  # never run the agent half-isolated
+        os.write(2, f"zygote: isolation failed: {exc}\n".encode())
+        os._exit(70)
+    agent = os.fork()
+    if agent == 0:
+        _run_agent(spec, channel_fd)
+        os._exit(0)
+    os.close(channel_fd)
+    # pid 1: reap every orphan; when the agent is gone, so is the sandbox.
+    while True:
+        try:
+            pid, _ = os.wait()
+        except ChildProcessError:
+            os._exit(0)
+        if pid == agent:
+            os._exit(0)
+
+
+def _run_agent(spec: dict, channel_fd: int) -> None:
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    os.chdir(spec["cwd"])
+    from shoal_agent.main import serve_channel
+
+    serve_channel(channel_fd)
+
+
+# -- the zygote's own loop ------------------------------------------------------------------------
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def serve(control_fd: int, preload: list[str]) -> None:
+    """Answer spawn requests on a SOCK_SEQPACKET socket: one message with two fds,
+    the sandbox's channel and the detached mount tree of its files."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the server's death is ours too
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    control = socket.socket(fileno=control_fd)
+    failed = []
+    for name in preload:
+        try:
+            __import__(name)
+        except Exception:
+            failed.append(name)
+    import shoal_agent.main  # noqa: F401  (so every sandbox shares its pages too)
+
+    gc.collect()
+    gc.freeze()
+    control.send(json.dumps({"ready": True, "failed": failed}).encode())
+    while True:
+        readable, _, _ = select.select([control], [], [], 1.0)
+        _reap()
+        if not readable:
+            continue
+        message, fds, _, _ = socket.recv_fds(control, 1 << 20, 2)
+        if not message:
+            return
+        if len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            control.send(json.dumps({"error": "a spawn request carries two fds"}).encode())
+            continue
+        spec = json.loads(message)
+        pid = os.fork()
+        if pid == 0:
+            control.close()
+            try:
+                _outer(spec, fds[0], fds[1])
+            finally:
+                os._exit(71)
+        for fd in fds:
+            os.close(fd)
+        control.send(json.dumps({"pid": pid}).encode())
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), [name for name in sys.argv[2].split(",") if name])

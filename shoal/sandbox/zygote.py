@@ -1,0 +1,173 @@
+"""The host's side of the zygote: start it, ask it for sandboxes.
+
+The zygote (:mod:`shoal.agent.zygote`) imports the heavy libraries once and
+forks every sandbox from itself, building the same isolation bubblewrap builds.
+This module starts it in a private mount namespace where the runtime and the
+agent sit at the paths sandboxes see, and turns a launch into one request on a
+SOCK_SEQPACKET socket carrying the sandbox's description and its channel fd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+from . import seccomp
+from .mounts import AGENT_ROOT, OUTPUTS, RUNTIME, SANDBOX_ENV, SKILLS, UPLOADS, WORKSPACE, SandboxHome
+from .mounts import etc_entries
+
+READY_TIMEOUT_SECONDS = 120.0
+_SCRIPT = (
+    'mount -t tmpfs -o mode=0755,size=1m tmpfs /opt'
+    ' && mkdir -p /opt/shoal/runtime /opt/shoal/agent'
+    ' && mount --bind "$1" /opt/shoal/runtime && mount -o remount,bind,ro /opt/shoal/runtime'
+    ' && mount --bind "$2" /opt/shoal/agent && mount -o remount,bind,ro /opt/shoal/agent'
+    # The sandbox environment from the start: it is what /proc/1/environ shows.
+    ' && fd="$3" && preload="$4" && shift 4 && exec env -i "$@"'
+    ' /opt/shoal/runtime/bin/python3 -I -c "import sys; sys.path.insert(0, \'/opt/shoal/agent\');'
+    ' from shoal_agent.zygote import serve; serve(int(sys.argv[1]), sys.argv[2].split(\',\'))"'
+    ' "$fd" "$preload"'
+)
+
+
+class ZygoteFailed(RuntimeError):
+    """The zygote did not start or stopped answering."""
+
+
+class Zygote:
+    def __init__(self, runtime: Path, agent_root: Path, preload: list[str]) -> None:
+        self._runtime = runtime
+        self._agent_root = agent_root
+        self._preload = preload
+        self._socket: socket.socket | None = None
+        self._popen: subprocess.Popen | None = None
+        self._lock = asyncio.Lock()
+        self._errors = None
+
+    async def start(self) -> None:
+        host_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Kept open: the zygote's forks report isolation failures here.
+        self._errors = errors = tempfile.TemporaryFile()
+        argv = ["/usr/bin/unshare", "--mount", "--propagation", "private", "--",
+                "/bin/sh", "-c", _SCRIPT, "sh", str(self._runtime), str(self._agent_root),
+                str(zygote_end.fileno()), ",".join(self._preload),
+                *(f"{name}={value}" for name, value in SANDBOX_ENV.items())]
+        self._popen = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, cwd="/",
+            pass_fds=(zygote_end.fileno(),), start_new_session=True)
+        zygote_end.close()
+        self._socket = host_end
+        try:
+            ready = await asyncio.wait_for(asyncio.to_thread(self._receive), READY_TIMEOUT_SECONDS)
+        except (asyncio.TimeoutError, ZygoteFailed):
+            detail = self.diagnostics()
+            self.close()
+            raise ZygoteFailed("the zygote did not start: " + (detail or "no output"))
+        if not ready.get("ready"):
+            raise ZygoteFailed(f"the zygote answered {ready!r}")
+
+    def _receive(self) -> dict:
+        assert self._socket is not None
+        message = self._socket.recv(65536)
+        if not message:
+            raise ZygoteFailed("the zygote closed its socket")
+        return json.loads(message)
+
+    def _request(self, spec: dict, channel_fd: int, home: Path) -> dict:
+        assert self._socket is not None
+        tree = open_tree(home)
+        try:
+            socket.send_fds(self._socket, [json.dumps(spec).encode()], [channel_fd, tree])
+        finally:
+            os.close(tree)
+        return self._receive()
+
+    async def spawn(self, spec: dict, channel_fd: int, home: Path) -> int:
+        """Fork a sandbox described by ``spec`` on the files under ``home``;
+        returns the pid of its outer process."""
+        async with self._lock:
+            answer = await asyncio.to_thread(self._request, spec, channel_fd, home)
+        if "pid" not in answer:
+            raise ZygoteFailed(f"the zygote refused: {answer.get('error', answer)}")
+        return int(answer["pid"])
+
+    def diagnostics(self) -> str:
+        """The last words the zygote or its forks wrote to stderr."""
+        if self._errors is None:
+            return ""
+        self._errors.seek(0, 2)
+        size = self._errors.tell()
+        self._errors.seek(max(0, size - 2000))
+        return self._errors.read().decode(errors="replace").strip()
+
+    def close(self) -> None:
+        if self._errors is not None:
+            self._errors.close()
+            self._errors = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+        if self._popen is not None:
+            self._popen.kill()
+            self._popen.wait()
+            self._popen = None
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_OPEN_TREE = 428  # the same number on x86_64 and aarch64
+_OPEN_TREE_CLONE, _OPEN_TREE_CLOEXEC, _AT_RECURSIVE = 1, 0o2000000, 0x8000
+_AT_FDCWD = -100
+
+
+def open_tree(path: Path) -> int:
+    """A detached copy of the mount tree at ``path``, as an fd another mount
+    namespace can attach (the zygote's forks cannot see mounts made after it)."""
+    fd = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, str(path).encode(),
+                       _OPEN_TREE_CLONE | _OPEN_TREE_CLOEXEC | _AT_RECURSIVE)
+    if fd < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"open_tree {path}: {os.strerror(error)}")
+    return fd
+
+
+def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], skills: Path | None,
+               tmp_size_bytes: int, open_files: int, nproc: int) -> dict:
+    """The same manifest bwrap is given (see :mod:`.mounts`), for the zygote."""
+    binds = [("/usr", "/usr", False)]
+    binds += [(str(path), str(path), False) for path in etc_entries()]
+    # "@home" is the sandbox's own files, handed over as a mount tree.
+    binds += [(f"@home/etc/{name}", f"/etc/{name}", False) for name in ("passwd", "group", "hosts")]
+    binds += [
+        (RUNTIME, RUNTIME, False),
+        (AGENT_ROOT, AGENT_ROOT, False),
+        ("@home/workspace", WORKSPACE, True),
+        ("@home/uploads", UPLOADS, False),
+        ("@home/outputs", OUTPUTS, True),
+    ]
+    directories = []
+    if skills is not None:
+        binds.append((str(skills), SKILLS, False))
+    else:
+        directories.append(SKILLS)
+    return {
+        "root": "/opt/shoal/root",
+        "uid": uid,
+        "binds": binds,
+        "symlinks": [("/lib", "usr/lib"), ("/lib64", "usr/lib64"), ("/bin", "usr/bin"),
+                     ("/sbin", "usr/sbin")],
+        "directories": directories,
+        "cgroup_procs": cgroup_procs,
+        "tmp_size": tmp_size_bytes,
+        "nofile": open_files,
+        "nproc": nproc,
+        "env": SANDBOX_ENV,
+        "cwd": WORKSPACE,
+        "seccomp": seccomp.build_filter().hex(),
+    }
