@@ -199,6 +199,12 @@ def _init(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
         _close_fds_except(channel_fd)
         _drop_privileges(spec)
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the credential change cleared it
+        # fd 2 was the zygote's diagnostics file on the host: nothing of the
+        # host stays open in a sandbox.
+        devnull = os.open("/dev/null", os.O_RDWR)
+        for std in (0, 1, 2):
+            os.dup2(devnull, std)
+        os.close(devnull)
     except BaseException as exc:  # never run the agent half-isolated
         os.write(2, f"zygote: isolation failed: {exc}\n".encode())
         os._exit(70)

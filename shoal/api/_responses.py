@@ -20,10 +20,16 @@ def json_response(payload: object, status: int = 200, headers: dict | None = Non
                     media_type="application/json", headers=headers)
 
 
+def header_safe(text: str) -> str:
+    """Printable ASCII only: file names are chosen by code and clients, and a CR,
+    LF or other control character in a header would break the response."""
+    return "".join(char if 0x20 <= ord(char) < 0x7F else "_" for char in text)
+
+
 def content_disposition(name: str, inline: bool = False) -> str:
-    ascii_name = name.encode("ascii", "replace").decode().replace('"', "_")
     kind = "inline" if inline else "attachment"
-    return f"{kind}; filename=\"{ascii_name}\"; filename*=utf-8''{quote(name)}"
+    plain = header_safe(name).replace('"', "_").replace("\\", "_")
+    return f"{kind}; filename=\"{plain}\"; filename*=utf-8''{quote(name, safe='')}"
 
 
 async def file_response(handle: BinaryIO, size: int, name: str, media_type: str,

@@ -20,6 +20,18 @@ class _BodyTooLarge(Exception):
     pass
 
 
+def upload_file_name(filename: str | None) -> str:
+    """The base name of an uploaded file, or a 422 for a name no file should have."""
+    name = (filename or "").replace("\\", "/").rsplit("/", 1)[-1]
+    if name in ("", ".", ".."):
+        raise BadRequest(422, "the 'file' part needs a file name (or give a 'path')")
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in name):
+        raise BadRequest(422, "a file name must not contain NUL or control characters")
+    if len(name.encode("utf-8", "surrogatepass")) > 255:
+        raise BadRequest(422, "a file name must be at most 255 bytes")
+    return name
+
+
 def _limited(request: Request, limit: int) -> Request:
     received = 0
     receive = request.receive

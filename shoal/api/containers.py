@@ -20,7 +20,7 @@ from shoal.storage import ContainerRecord
 from ._bodies import read_json_object
 from ._pagination import check_limit, paginate
 from ._responses import file_response, json_response
-from ._uploads import read_upload
+from ._uploads import read_upload, upload_file_name
 from .auth import tenant_of
 from .errors import BadRequest
 
@@ -147,9 +147,7 @@ async def create_file(container_id: str, request: Request,
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         upload, _ = await read_upload(request, manager.settings.max_file_bytes)
         try:
-            name = (upload.filename or "").replace("\\", "/").rsplit("/", 1)[-1]
-            if name in ("", ".", ".."):
-                raise BadRequest(422, "the 'file' part needs a file name")
+            name = upload_file_name(upload.filename)
             item = await manager.container_files.put(record, SandboxPath(UPLOADS, (name,)),
                                                      upload.file)
         finally:

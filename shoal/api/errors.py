@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from shoal.sandbox.launcher import LaunchFailed
-from shoal.sessions import (AtCapacity, FileAccessError, InvalidContainer, SandboxClosed,
+from shoal.sessions import (AtCapacity, CallTooLarge, FileAccessError, InvalidContainer, SandboxClosed,
                             UnknownContainer, UnknownSession)
 
 log = logging.getLogger("shoal.api")
@@ -64,6 +64,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(SandboxClosed)
     async def _closed(request: Request, exc: SandboxClosed):
         return error_response(404, "the session was released while the call ran")
+
+    @app.exception_handler(CallTooLarge)
+    async def _too_large(request: Request, exc: CallTooLarge):
+        return error_response(413, "the call's input is too large to run")
 
     @app.exception_handler(AtCapacity)
     async def _capacity(request: Request, exc: AtCapacity):

@@ -18,8 +18,8 @@ from shoal.sessions import ContainerFile, InvalidKey, SessionManager, path_for_k
 from shoal.storage import ContainerRecord, UploadRecord
 
 from ._pagination import check_limit, paginate
-from ._responses import file_response, json_response
-from ._uploads import read_upload
+from ._responses import file_response, header_safe, json_response
+from ._uploads import read_upload, upload_file_name
 from .auth import tenant_of
 from .errors import BadRequest
 
@@ -81,11 +81,11 @@ async def upload(request: Request, scope_id: str | None = Query(None),
     upload_file, fields = await read_upload(request, manager.settings.max_file_bytes)
     try:
         if scope_id is None:
-            record = await manager.uploads.create(tenant, _file_name(upload_file.filename),
+            record = await manager.uploads.create(tenant, upload_file_name(upload_file.filename),
                                                   upload_file.file, fields.get("purpose"))
             # OpenAI answers a created file with 200; so do we, for its SDK.
             return json_response(render_upload(record, _anthropic(request)), 200)
-        key = path or fields.get("path") or _file_name(upload_file.filename)
+        key = path or fields.get("path") or upload_file_name(upload_file.filename)
         target = path_for_key(key)
         container = await _container(request, tenant, scope_id, create=True)
         item = await manager.container_files.put(container, target, upload_file.file)
@@ -114,13 +114,6 @@ async def put_key(key: str, request: Request, scope_id: str = Query(...),
         container = await _container(request, tenant, scope_id, create=True)
         item = await manager.container_files.put(container, target, spool)
     return json_response(render_container_file(item, scope_id), 201)
-
-
-def _file_name(filename: str | None) -> str:
-    name = (filename or "").replace("\\", "/").rsplit("/", 1)[-1]
-    if name in ("", ".", ".."):
-        raise BadRequest(422, "the 'file' part needs a file name")
-    return name
 
 
 # -- list ------------------------------------------------------------------------------------
@@ -176,7 +169,7 @@ async def head_file(file_id: str, request: Request, scope_id: str = Query(...),
     item = await manager.container_files.get(container, file_id)
     return Response(status_code=200, headers={
         "X-File-Id": item.id,
-        "X-File-Name": item.filename.encode("ascii", "replace").decode(),
+        "X-File-Name": header_safe(item.filename),
         "X-File-Size": str(item.record.size),
         "X-File-Mime-Type": item.mime_type,
         "X-File-Created-At": rfc3339(item.record.created_at),

@@ -18,7 +18,7 @@ from shoal.sessions import ExecResult, Session, SessionManager, guess_mime_type
 
 from ._bodies import read_json_object
 from ._responses import file_response, json_response
-from ._uploads import read_upload
+from ._uploads import read_upload, upload_file_name
 from .auth import tenant_of
 from .errors import BadRequest
 
@@ -211,15 +211,8 @@ async def put_file(session_id: str, request: Request, tenant: str = Depends(tena
     session = manager.get(tenant, session_id)
     upload, fields = await read_upload(request, manager.settings.max_file_bytes)
     try:
-        path = fields.get("path") or _name_of_upload(upload.filename)
+        path = fields.get("path") or upload_file_name(upload.filename)
         sandbox_path, size = await run_in_threadpool(session.write_file, path, upload.file)
     finally:
         await upload.close()
     return _json({"path": sandbox_path.relative, "size_bytes": size}, 201)
-
-
-def _name_of_upload(filename: str | None) -> str:
-    name = (filename or "").replace("\\", "/").rsplit("/", 1)[-1]
-    if name in ("", ".", ".."):
-        raise BadRequest(422, "give a 'path' field, or a file name in the 'file' part")
-    return name

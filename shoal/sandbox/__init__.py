@@ -4,6 +4,7 @@ The layer above leases a :class:`Sandbox` from a :class:`SandboxPool` and gets
 an :class:`ExecResult` back from every call; nothing else here is public.
 """
 
+from .channel import CallTooLarge
 from .files import (FileAccessError, FileEntry, FileMissing, FileTooLarge, IsDirectory,
                     PathOutside, SandboxFiles, SandboxPath, guess_mime_type, parse_path)
 from .pool import SandboxPool
@@ -13,6 +14,7 @@ from .runtime import RuntimeMissing
 from .sandbox import Sandbox, SandboxClosed
 
 __all__ = [
+    "CallTooLarge",
     "FileAccessError", "FileEntry", "FileMissing", "FileTooLarge", "IsDirectory",
     "PathOutside", "SandboxFiles", "SandboxPath", "guess_mime_type", "parse_path",
     "ExecResult", "IsolationUnavailable", "Limit", "ProducedFile", "RuntimeMissing",

@@ -21,6 +21,15 @@ class ChannelClosed(Exception):
     """The agent's end went away: the sandbox process died or was killed."""
 
 
+class ChannelCorrupt(ChannelClosed):
+    """The agent sent something that is not a frame: the channel cannot be trusted
+    to be in step any more, so it is treated as closed (the sandbox restarts)."""
+
+
+class CallTooLarge(ValueError):
+    """A call does not fit in one frame."""
+
+
 class Channel:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
@@ -41,13 +50,19 @@ class Channel:
             return decode(await self._reader.readexactly(size))
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             raise ChannelClosed(str(exc) or "channel closed") from None
+        except FrameError as exc:
+            raise ChannelCorrupt(str(exc)) from None
 
     async def call(self, message: dict, on_output: OutputCallback) -> dict:
         """Send one call and collect frames until its ``done``; output goes to ``on_output``."""
         self._next_id += 1
         call_id = self._next_id
         try:
-            self._writer.write(encode({**message, "id": call_id}))
+            frame = encode({**message, "id": call_id})
+        except FrameError as exc:
+            raise CallTooLarge(str(exc)) from None
+        try:
+            self._writer.write(frame)
             await self._writer.drain()
         except (ConnectionError, RuntimeError) as exc:
             raise ChannelClosed(str(exc)) from None

@@ -103,7 +103,7 @@ def parse_path(raw: str, allow_file_id: bool = True) -> SandboxPath:
     if allow_file_id and not raw.startswith("/") and "/" not in raw and "." not in raw:
         decoded = decode_file_id(raw)
         if decoded is not None and decoded.startswith(("/home/", "/mnt/")):
-            raw = decoded
+            return parse_path(decoded, allow_file_id=False)
     mount = WORKSPACE
     rest = raw
     if raw.startswith("/"):

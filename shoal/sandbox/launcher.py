@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +72,7 @@ class SandboxProcess:
     channel: Channel
     agent_pid: int
     outer_pid: int = 0
+    errors_fd: int = -1  # our end of bwrap's stderr pipe, closed with the sandbox
 
     def close_channel(self) -> None:
         self.channel.close()
@@ -93,7 +93,10 @@ def command_line(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
 
 async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgroup) -> SandboxProcess:
     host_end, sandbox_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    errors = tempfile.TemporaryFile()
+    # bwrap's stderr is a pipe the host holds: bubblewrap's pid 1 keeps it open
+    # for the sandbox's life, and it must not be a host file it could fill.
+    errors_read, errors_write = os.pipe()
+    os.set_blocking(errors_read, False)
     popen = None
     outer_pid = 0
     try:
@@ -107,13 +110,14 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
                 os.set_inheritable(sandbox_end.fileno(), True)
                 argv = command_line(config, home, uid, cgroup, sandbox_end.fileno(), seccomp_fd)
                 popen = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors_write,
                     env={}, cwd="/", pass_fds=(sandbox_end.fileno(), seccomp_fd),
                     start_new_session=True)
             finally:
                 os.close(seccomp_fd)
     finally:
         sandbox_end.close()
+        os.close(errors_write)
     channel = None
     try:
         channel = await Channel.open(host_end)
@@ -123,11 +127,13 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
             channel.close()
         else:
             host_end.close()
-        process = SandboxProcess(popen, channel, 0, outer_pid)  # type: ignore[arg-type]
+        process = SandboxProcess(popen, channel, 0, outer_pid, errors_read)  # type: ignore[arg-type]
         await asyncio.shield(asyncio.to_thread(stop_process_tree, process, cgroup))
-        errors.seek(0)
-        detail = errors.read(4000).decode(errors="replace").strip()
-        errors.close()
+        try:
+            detail = os.read(errors_read, 4000).decode(errors="replace").strip()
+        except BlockingIOError:
+            detail = ""
+        os.close(errors_read)
         if config.zygote is not None:
             detail = config.zygote.diagnostics()
         if isinstance(exc, (ChannelClosed, asyncio.TimeoutError)):
@@ -135,9 +141,9 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
             raise LaunchFailed(f"sandbox did not start (exit status {status}): "
                                f"{detail or 'no diagnostics'}") from None
         raise
-    errors.close()
     agent_pid = hello.get("pid") if isinstance(hello.get("pid"), int) else 0
-    return SandboxProcess(popen=popen, channel=channel, agent_pid=agent_pid, outer_pid=outer_pid)
+    return SandboxProcess(popen=popen, channel=channel, agent_pid=agent_pid, outer_pid=outer_pid,
+                          errors_fd=errors_read)
 
 
 def _children(pid: int) -> list[int]:
@@ -172,3 +178,6 @@ def stop_process_tree(process: SandboxProcess, cgroup: Cgroup) -> None:
     if process.popen is not None:
         process.popen.kill()
         process.popen.wait()
+    if process.errors_fd >= 0:
+        os.close(process.errors_fd)
+        process.errors_fd = -1

@@ -143,7 +143,7 @@ class Sandbox:
                 result = self._result({"return_code": 124, "timed_out": True}, collector)
                 result.restarted = True
                 await self._restart_locked()
-            except ChannelClosed:
+            except ChannelClosed:  # also ChannelCorrupt: a garbled channel is a dead one
                 self._raise_if_closed()
                 result = self._died(collector)
                 await self._restart_locked()
@@ -167,18 +167,22 @@ class Sandbox:
 
     def _result(self, done: dict, collector: _Collector) -> ExecResult:
         return_code = done.get("return_code")
+        if (isinstance(return_code, bool) or not isinstance(return_code, int)
+                or not -(2**31) <= return_code < 2**31):
+            return_code = 1  # whatever the agent (or code posing as it) claimed
+        cap = self._pool.settings.output_cap_bytes
         result = ExecResult(
             stdout=collector.text("stdout"),
             stderr=collector.text("stderr"),
-            return_code=return_code if isinstance(return_code, int) else 1,
+            return_code=return_code,
             files=self._produced(done.get("files")),
         )
         if "stdout" in done and isinstance(done.get("stdout"), str):  # editor answers inline
-            result.stdout = done["stdout"][: self._pool.settings.output_cap_bytes]
-            result.stderr = str(done.get("stderr") or "")[: self._pool.settings.output_cap_bytes]
+            result.stdout = done["stdout"][:cap]
+            result.stderr = str(done.get("stderr") or "")[:cap]
             result.editor = done.get("editor") if isinstance(done.get("editor"), dict) else None
         if isinstance(done.get("error"), str):
-            result.stderr += done["error"]
+            result.stderr = (result.stderr + done["error"])[:cap + len(TRUNCATION_MARKER)]
         if done.get("timed_out") is True:
             result.limits.append(Limit.TIMEOUT)
         truncated = done.get("truncated")
@@ -221,9 +225,9 @@ class Sandbox:
             if not isinstance(entry, dict):
                 continue
             path, size = entry.get("path"), entry.get("size")
-            if (isinstance(path, str) and isinstance(size, int)
+            if (isinstance(path, str) and isinstance(size, int) and "\x00" not in path
                     and (path.startswith(OUTPUTS + "/") or path.startswith(WORKSPACE + "/"))
-                    and "/../" not in path):
+                    and not {".", "..", ""} & set(path[1:].split("/"))):
                 produced.append(ProducedFile(path=path, size=size))
         return produced
 

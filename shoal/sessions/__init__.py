@@ -4,7 +4,7 @@ The HTTP layer talks to a :class:`SessionManager`; it never touches a sandbox
 or the pool directly.
 """
 
-from shoal.sandbox import (ExecResult, FileAccessError, Limit, ProducedFile, SandboxClosed,
+from shoal.sandbox import (CallTooLarge, ExecResult, FileAccessError, Limit, ProducedFile, SandboxClosed,
                            guess_mime_type)
 
 from .container_files import ContainerFile, ContainerFiles, InvalidKey, path_for_key
@@ -14,6 +14,7 @@ from .manager import AtCapacity, SessionManager, UnknownSession
 from .session import Session
 
 __all__ = [
+    "CallTooLarge",
     "ContainerFile", "ContainerFiles", "InvalidKey", "Uploads", "path_for_key",
     "ContainerManager", "InvalidContainer", "UnknownContainer",
     "AtCapacity", "ExecResult", "FileAccessError", "Limit", "ProducedFile", "SandboxClosed",

@@ -74,7 +74,11 @@ def path_for_key(key: str) -> SandboxPath:
         raise InvalidKey("a file key must not end with '/'")
     if "\x00" in key:
         raise InvalidKey("a file key must not contain NUL bytes")
+    if len(key.encode("utf-8", "surrogatepass")) > 4096:
+        raise InvalidKey("a file key must be at most 4096 bytes")
     parts = key.split("/")
+    if any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in parts):
+        raise InvalidKey("each segment of a file key must be at most 255 bytes")
     if any(part in ("", ".", "..") for part in parts):
         raise InvalidKey("a file key must not contain '..', '.' or empty segments")
     if parts[0] == "outputs":
