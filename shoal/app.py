@@ -42,5 +42,6 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     app.include_router(protocol_v1.router)
     app.include_router(files.router)
     app.include_router(containers.router)
+    app.add_middleware(errors.ShutdownGuard)
     app.add_middleware(observability.AccessLog)
     return app

@@ -44,6 +44,8 @@ class Agent:
             self._channel.sendall(frame)
 
     def serve(self) -> None:
+        global _AGENT_PID
+        _AGENT_PID = os.getpid()  # a zygote's fork is the agent: its pid, not the zygote's
         self.send({"type": "ready", "pid": os.getpid()})
         while True:
             try:
@@ -92,6 +94,7 @@ class Agent:
         try:
             return_code, timed_out = run()
         finally:
+            _exit_if_forked_copy()
             truncated = self._capture.finish()
         return {
             "return_code": return_code,
@@ -101,10 +104,15 @@ class Agent:
         }
 
     def _run_python(self, code: str, timeout: float) -> tuple[int, bool]:
+        forks_before = _forks_made
         return_code, timed_out = self._python.run(code, timeout)
         self._python.save_open_figures()
         if timed_out:
             _kill_everything_else()
+        elif _forks_made != forks_before:
+            # The code forked copies of this interpreter (os.fork, multiprocessing
+            # with fork): they must not outlive the call, nor fork on (a bomb).
+            _kill_forked_copies()
         return return_code, timed_out
 
     @staticmethod
@@ -132,6 +140,49 @@ class Agent:
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(code)
         return path
+
+
+_AGENT_PID = os.getpid()
+_forks_made = 0
+
+
+def _count_fork() -> None:
+    global _forks_made
+    _forks_made += 1
+
+
+os.register_at_fork(after_in_parent=_count_fork)
+
+
+def _kill_forked_copies(patience: float = 2.0) -> None:
+    """Kill every other process running this interpreter's own command line:
+    forks of the agent, not programs the code started (those exec'd another)."""
+    with open("/proc/self/cmdline", "rb") as handle:
+        mine = handle.read()
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        found = 0
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in (1, os.getpid()):
+                continue
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as handle:
+                    if handle.read() != mine:
+                        continue
+                os.kill(int(name), signal.SIGKILL)
+                found += 1
+            except OSError:
+                continue
+        if not found:
+            return
+        time.sleep(0.005)
+
+
+def _exit_if_forked_copy() -> None:
+    """A child that user code forked (``os.fork()``) returns into the agent's loop
+    when its code ends: it must never read or answer a call, so it ends here."""
+    if os.getpid() != _AGENT_PID:
+        os._exit(0)
 
 
 def _positive_int(value: object, default: int) -> int:

@@ -7,9 +7,11 @@ mapped is a bug, logged with its traceback and answered with a bare 500.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import FastAPI, Request
+from pydantic import BaseModel
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
@@ -19,6 +21,20 @@ from shoal.sessions import (AtCapacity, CallTooLarge, FileAccessError, InvalidCo
                             UnknownContainer, UnknownSession)
 
 log = logging.getLogger("shoal.api")
+
+
+class ErrorBody(BaseModel):
+    """Every error's body: what went wrong, as text or as a list of problems."""
+
+    detail: str | list | dict
+
+
+# Declared on every router, so the served OpenAPI document says what errors
+# really look like (FastAPI's default 422 schema is not ours).
+ERROR_RESPONSES = {status: {"model": ErrorBody, "description": description} for status, description in (
+    (400, "Bad request"), (401, "Missing or invalid token"), (403, "Path outside the files"),
+    (404, "Not found"), (413, "Too large"), (422, "Malformed request"), (503, "At capacity"),
+    (507, "Disk quota full"))}
 
 
 class BadRequest(Exception):
@@ -32,6 +48,34 @@ class BadRequest(Exception):
 
 def error_response(status: int, detail: object, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+class ShutdownGuard:
+    """ASGI middleware: a call still running when the shutdown grace period ends
+    is cancelled by the server; it gets a JSON 503, not a bare 500."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            response = error_response(503, "the server is shutting down; the call was stopped")
+            await response(scope, receive, send)
 
 
 def install(app: FastAPI) -> None:

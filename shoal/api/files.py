@@ -21,9 +21,9 @@ from ._pagination import check_limit, paginate
 from ._responses import file_response, header_safe, json_response
 from ._uploads import read_upload, upload_file_name
 from .auth import tenant_of
-from .errors import BadRequest
+from .errors import ERROR_RESPONSES, BadRequest
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=ERROR_RESPONSES)
 
 
 def _manager(request: Request) -> SessionManager:

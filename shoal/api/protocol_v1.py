@@ -20,9 +20,9 @@ from ._bodies import read_json_object
 from ._responses import file_response, json_response
 from ._uploads import read_upload, upload_file_name
 from .auth import tenant_of
-from .errors import BadRequest
+from .errors import ERROR_RESPONSES, BadRequest
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 
 # Contract tool kind -> (sessions-layer tool, result block type)
 TOOL_KINDS = {
@@ -64,8 +64,38 @@ def handle(session: Session) -> dict:
     }
 
 
+# Request bodies are parsed by hand (the contract's statuses need it), so their
+# schemas are declared here for the served OpenAPI document.
+_CREATE_SESSION_BODY = {"requestBody": {"required": False, "content": {"application/json": {"schema": {
+    "type": "object",
+    "properties": {
+        "image": {"type": ["string", "null"]},
+        "idle_timeout_seconds": {"type": ["integer", "null"], "minimum": 1},
+        "max_lifetime_seconds": {"type": ["integer", "null"], "minimum": 1},
+        "container": {"type": ["string", "null"],
+                      "description": "Attach the session to this durable container."},
+    }}}}}}
+_EXEC_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object",
+    "required": ["tool", "input"],
+    "properties": {
+        "tool": {"type": "string", "enum": list(TOOL_KINDS)},
+        "input": {"type": "object", "properties": {
+            "code": {"type": "string", "minLength": 1},
+            "command": {"type": "string", "minLength": 1},
+            "path": {"type": "string", "minLength": 1},
+            "file_text": {"type": "string"}, "old_str": {"type": "string"},
+            "new_str": {"type": "string"}, "insert_line": {"type": "integer"},
+            "view_range": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
+                           "maxItems": 2}}},
+        "timeout_seconds": {"type": "integer", "minimum": 1},
+        "tool_use_id": {"type": ["string", "null"]},
+    }}}}}}
+
+
 # -- sessions ------------------------------------------------------------------------
-@router.post("/sessions", status_code=201, summary="Lease a session")
+@router.post("/sessions", status_code=201, summary="Lease a session",
+             openapi_extra=_CREATE_SESSION_BODY)
 async def create_session(request: Request, tenant: str = Depends(tenant_of)) -> Response:
     body = await read_json_object(request, required=False)
     idle = _optional_positive_int(body, "idle_timeout_seconds")
@@ -175,7 +205,8 @@ def render_exec(kind: str, tool_use_id: str, result: ExecResult) -> dict:
     }
 
 
-@router.post("/sessions/{session_id}/exec", summary="Run one tool call in a session")
+@router.post("/sessions/{session_id}/exec", summary="Run one tool call in a session",
+             openapi_extra=_EXEC_BODY)
 async def execute(session_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
     session = _manager(request).get(tenant, session_id)
     kind, tool, payload, timeout, tool_use_id = parse_exec(await read_json_object(request))

@@ -95,8 +95,20 @@ class Cgroup:
         except (OSError, ValueError):
             return 0
 
-    def kill(self, timeout: float = 5.0) -> None:
+    def _unthrottle(self) -> None:
+        """Lift the CPU quota: a killed process still needs CPU time to exit, and
+        a starved group (a fork bomb under a small quota) would take ages to die."""
+        try:
+            if self.version == 1:
+                (self.directories["cpu"] / "cpu.cfs_quota_us").write_text("-1")
+            else:
+                (self.directories["unified"] / "cpu.max").write_text("max")
+        except (OSError, KeyError):
+            pass
+
+    def kill(self, timeout: float = 20.0) -> None:
         """Kill every process in the group and wait until it is empty."""
+        self._unthrottle()
         unified = self.directories.get("unified")
         kill_file = unified / "cgroup.kill" if unified else None
         deadline = time.monotonic() + timeout

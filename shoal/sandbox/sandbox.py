@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -27,6 +28,9 @@ log = logging.getLogger("shoal.sandbox")
 # How long past its own timeout a call may take before the host stops waiting
 # for the agent and destroys the sandbox's processes.
 BACKSTOP_SECONDS = 3.0
+# A failed call on a volume with less room than this ran out of disk (the last
+# few blocks are too fragmented to fill exactly).
+_DISK_NEARLY_FULL = 256 * 1024
 TRUNCATION_MARKER = "\n...[truncated]"
 OutputCallback = Callable[[str, str], None]
 
@@ -142,6 +146,7 @@ class Sandbox:
                 self._raise_if_closed()
                 result = self._result({"return_code": 124, "timed_out": True}, collector)
                 result.restarted = True
+                self._notice_limits(result)
                 await self._restart_locked()
             except ChannelClosed:  # also ChannelCorrupt: a garbled channel is a dead one
                 self._raise_if_closed()
@@ -204,8 +209,15 @@ class Sandbox:
         return result
 
     def _notice_limits(self, result: ExecResult) -> bool:
-        """Attribute a failure to the cgroup limits that fired since the last look."""
+        """Attribute a failure to the limits that fired since the last look: the
+        cgroup's counters, and a files volume with no room or no inode left."""
         fired = False
+        try:
+            disk = os.statvfs(self.home.workspace)
+            if disk.f_bavail * disk.f_frsize < _DISK_NEARLY_FULL or disk.f_favail == 0:
+                result.limits.append(Limit.DISK)
+        except OSError:
+            pass
         oom = self._cgroup.oom_kills()
         if oom > self._oom_seen:
             self._oom_seen = oom
@@ -233,7 +245,11 @@ class Sandbox:
 
     async def _restart_locked(self) -> None:
         self._process.close_channel()
-        await asyncio.to_thread(self._stop_processes)
+        try:
+            await asyncio.to_thread(self._stop_processes)
+        except TimeoutError as exc:
+            # Stragglers die on their own (SIGKILL is pending); the sandbox must not wait.
+            log.warning("sandbox %s: %s; restarting anyway", self.name, exc)
         self._process = await self._pool._spawn(self)
 
     def _stop_processes(self) -> None:

@@ -1,0 +1,386 @@
+"""Real servers for the reliability suite, and the host-side view of what they leave.
+
+Every server started here gets a uid range, a run directory and a ``TMPDIR`` of
+its own, so that "nothing of this server is left" can be checked exactly, from
+the host's point of view, without counting other servers (other tests of this
+run, or other people's runs on the same machine):
+
+- processes: none runs as a uid of the server's range;
+- cgroups: none is named with the server's pid (names are ``<pid>.<hex>-...``,
+  see ``shoal/sandbox/pool.py``);
+- mounts: none under its run directory or data directory (loop devices are not
+  counted: a process in a mount namespace of its own, such as another test run's
+  zygote, keeps a copy of every mount that existed when it unshared, and with it
+  the loop device, however cleanly the server unmounted);
+- uid leases: every lock file under ``<run_dir>/uids`` can be locked again;
+- temporary directories: no ``sandboxes-<pid>.*`` or ``agent-<pid>.*`` in the run
+  directory, and the server's ``TMPDIR`` is empty.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serving import SHOAL, Server, free_port
+
+RUN_ROOT = Path("/run/shoal-test")
+UID_COUNT = 4096
+# Far from the other suites' ranges (200000, 410000, 600000 + 10000 k), and per
+# pytest process, so two runs of this suite at once never share a uid.
+_RUN_UID_BASE = 2_000_000 + (os.getpid() % 2000) * 250_000
+_slots = itertools.count()
+# Zombies of a killed sandbox are reaped by the host's init, which may take a moment.
+REAP_SECONDS = 20.0
+
+
+@dataclass
+class ShoalServer(Server):
+    """A ``shoal serve`` process with everything needed to audit what it leaves."""
+
+    run_dir: Path = Path()
+    tmp_dir: Path = Path()
+    uid_base: int = 0
+    uid_count: int = UID_COUNT
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def uids(self) -> range:
+        return range(self.uid_base, self.uid_base + self.uid_count)
+
+    def client(self, token: str | None = None, timeout: float = 120,
+               **kwargs) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout, **kwargs)
+
+
+def _start(tmp_path: Path, run_dir: Path, uid_base: int, data_dir: Path | None,
+           settings: dict) -> ShoalServer:
+    port = free_port()
+    data_dir = data_dir or tmp_path / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp_dir = tmp_path / f"tmp-{port}"
+    tmp_dir.mkdir()
+    log_path = tmp_path / f"server-{port}.log"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("SHOAL_")}
+    env["TMPDIR"] = str(tmp_dir)
+    args = [str(SHOAL), "serve", "--port", str(port), "--data-dir", str(data_dir),
+            "--run-dir", str(run_dir), "--uid-base", str(uid_base),
+            "--uid-count", str(UID_COUNT)]
+    merged = {"pool_size": 2, "memory_limit_mib": 512, **settings}
+    for name, value in merged.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = ShoalServer(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path,
+                         data_dir=data_dir, run_dir=run_dir, tmp_dir=tmp_dir,
+                         uid_base=uid_base, settings=merged)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"shoal serve exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    server.stop(signal.SIGKILL)
+    raise RuntimeError(f"shoal serve did not become healthy:\n{server.log()}")
+
+
+# -- the host's view -----------------------------------------------------------------------------
+def host_processes() -> list[dict]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as handle:
+                fields = dict(line.rstrip("\n").split(":\t", 1) for line in handle if ":\t" in line)
+            found.append({"pid": int(name), "name": fields.get("Name", ""),
+                          "state": fields.get("State", "?")[:1],
+                          "ppid": int(fields.get("PPid", "0")),
+                          "uid": int(fields["Uid"].split()[0])})
+        except (OSError, ValueError, KeyError):
+            continue  # gone meanwhile
+    return found
+
+
+def processes_in(uids: range | set[int]) -> list[dict]:
+    return [p for p in host_processes() if p["uid"] in uids]
+
+
+def wait_for_no_processes(uids: range | set[int], timeout: float = REAP_SECONDS) -> list[dict]:
+    """Processes still running as one of ``uids`` once zombies had time to be reaped."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_in(uids)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def sandbox_processes(uid: int) -> dict[str, list[dict]]:
+    """A sandbox's host processes by role: the outer bwrap (child of the server), the
+    inner bwrap (its init) and the agent (the interpreter the inner bwrap started)."""
+    mine = [p for p in processes_in({uid}) if p["state"] != "Z"]
+    pids = {p["pid"] for p in mine}
+    outer = [p for p in mine if p["name"] == "bwrap" and p["ppid"] not in pids]
+    inner = [p for p in mine if p["name"] == "bwrap" and p["ppid"] in pids]
+    inner_pids = {p["pid"] for p in inner}
+    agents = [p for p in mine if p["ppid"] in inner_pids and p["name"].startswith("python")]
+    return {"outer": outer, "inner": inner, "agent": agents, "all": mine}
+
+
+def _mount_points() -> list[str]:
+    with open("/proc/self/mountinfo") as handle:
+        return [line.split()[4] for line in handle]
+
+
+def mounts_under(directory: Path) -> list[str]:
+    prefix = str(directory.resolve()) + "/"
+    return [point for point in _mount_points() if point.startswith(prefix)]
+
+
+def _cgroup_roots() -> list[Path]:
+    roots = []
+    with open("/proc/self/mountinfo") as handle:
+        for line in handle:
+            left, _, right = line.partition(" - ")
+            if right.split()[:1] in (["cgroup"], ["cgroup2"]):
+                roots.append(Path(left.split()[4]))
+    return roots
+
+
+def cgroups_of(pid: int) -> list[str]:
+    """Sandbox cgroups named with a server's pid (``<pid>.<hex>-...`` inside a
+    ``shoal`` group), in every cgroup hierarchy of the host. Read-only."""
+    found = []
+    for root in _cgroup_roots():
+        for directory, subdirectories, _ in os.walk(root):
+            if os.path.basename(directory) == "shoal":
+                found += [os.path.join(directory, name) for name in subdirectories
+                          if name.startswith(f"{pid}.")]
+                subdirectories[:] = []  # sandbox groups have no groups of their own
+    return sorted(found)
+
+
+def held_uid_locks(run_dir: Path) -> list[str]:
+    """Uid lease lock files someone still holds (a lease never given back)."""
+    held = []
+    directory = run_dir / "uids"
+    if not directory.is_dir():
+        return held
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.append(path.name)
+        finally:
+            os.close(fd)
+    return held
+
+
+def leftovers(server: ShoalServer, pid: int | None = None) -> dict[str, list]:
+    """What a stopped server (``pid``, by default the server's own) left on the host.
+
+    The data directory's own files (the database, container images) are the
+    durable state and not leftovers; everything else must be gone.
+    """
+    pid = pid or server.pid
+    temporary = [p.name for p in server.run_dir.iterdir()
+                 if p.name.startswith((f"sandboxes-{pid}.", f"agent-{pid}."))] \
+        if server.run_dir.is_dir() else []
+    return {
+        "processes": wait_for_no_processes(server.uids),
+        "cgroups": cgroups_of(pid),
+        "mounts": mounts_under(server.run_dir) + mounts_under(server.data_dir),
+        "uid_locks": held_uid_locks(server.run_dir),
+        "run_dir_entries": temporary,
+        "tmp_files": sorted(str(p) for p in server.tmp_dir.rglob("*")),
+    }
+
+
+def assert_nothing_left(server: ShoalServer, pid: int | None = None) -> None:
+    assert server.process.poll() is not None, "the server is still running"
+    found = leftovers(server, pid)
+    assert all(not values for values in found.values()), \
+        {key: values for key, values in found.items() if values}
+
+
+def _force_clean(server: ShoalServer) -> None:
+    """Last resort after a test that leaked: never leave the machine dirty."""
+    for proc in processes_in(server.uids):
+        try:
+            os.kill(proc["pid"], signal.SIGKILL)
+        except OSError:
+            pass
+    for point in sorted(mounts_under(server.run_dir) + mounts_under(server.data_dir),
+                        key=len, reverse=True):
+        subprocess.run(["umount", "--lazy", point], capture_output=True)
+    for group in cgroups_of(server.pid):
+        try:
+            os.rmdir(group)
+        except OSError:
+            pass
+
+
+# -- fixtures ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shoal(tmp_path_factory) -> Iterator[Callable[..., ShoalServer]]:
+    """``shoal(**settings)`` starts a server (settings are ``shoal serve`` flags).
+
+    ``run_dir=``, ``data_dir=`` and ``uid_base=`` let a test start a second server
+    on what a first one left; by default each server has its own of all three. At the end every
+    server is stopped and must have left nothing behind.
+    """
+    started: list[ShoalServer] = []
+
+    def start(run_dir: Path | None = None, data_dir: Path | None = None,
+              uid_base: int | None = None, **settings) -> ShoalServer:
+        slot = next(_slots) % 48
+        uid_base = uid_base or _RUN_UID_BASE + slot * 5000
+        if run_dir is None:
+            run_dir = RUN_ROOT / f"reliability-{os.getpid()}-{slot}-{time.monotonic_ns() % 10**6}"
+        server = _start(tmp_path_factory.mktemp("shoal"), run_dir, uid_base, data_dir, settings)
+        started.append(server)
+        return server
+
+    yield start
+    problems = {}
+    for server in started:
+        server.stop()
+    for server in started:
+        found = leftovers(server)
+        if any(found.values()):
+            problems[server.url] = {key: values for key, values in found.items() if values}
+            _force_clean(server)
+    for run_dir in {server.run_dir for server in started}:
+        if not mounts_under(run_dir):
+            shutil.rmtree(run_dir, ignore_errors=True)
+    assert not problems, f"servers left things behind: {problems}"
+
+
+# -- HTTP helpers ------------------------------------------------------------------------------------
+def create_session(http: httpx.Client, **body) -> str:
+    response = http.post("/sessions", json=body)
+    assert response.status_code == 201, response.text
+    return response.json()["session_id"]
+
+
+def run(http: httpx.Client, session_id: str, tool: str, timeout: int | None = None,
+        **payload) -> dict:
+    """One exec; asserts 200 and returns the body, with the content at ``["content"]``."""
+    body = {"tool": tool, "input": payload}
+    if timeout is not None:
+        body["timeout_seconds"] = timeout
+    response = http.post(f"/sessions/{session_id}/exec", json=body)
+    assert response.status_code == 200, f"{response.status_code}: {response.text[:2000]}"
+    answer = response.json()
+    answer["content"] = answer["result_block"]["content"]
+    return answer
+
+
+def python(http: httpx.Client, session_id: str, code: str, timeout: int | None = None) -> dict:
+    return run(http, session_id, "code_execution", timeout, code=code)
+
+
+def bash(http: httpx.Client, session_id: str, command: str, timeout: int | None = None) -> dict:
+    return run(http, session_id, "bash_code_execution", timeout, command=command)
+
+
+def sandbox_uid(http: httpx.Client, session_id: str) -> int:
+    return int(bash(http, session_id, "id -u")["content"]["stdout"])
+
+
+class Responsiveness:
+    """Probes the server from a thread while an attack runs elsewhere.
+
+    Each round times ``GET /health`` and a trivial exec in a session of its own
+    (not the attacked one); ``check()`` then says whether every probe answered
+    correctly and within its bound.
+    """
+
+    def __init__(self, server: Server, health_bound: float = 1.0, exec_bound: float = 2.0,
+                 pause: float = 0.1) -> None:
+        self.server = server
+        self.health_bound = health_bound
+        self.exec_bound = exec_bound
+        self.pause = pause
+        self.health: list[float] = []
+        self.execs: list[float] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._http = server.client(timeout=30)
+        self.session_id = create_session(self._http)
+        python(self._http, self.session_id, "print(1)")  # warm
+
+    def _probe(self) -> None:
+        while not self._stop.is_set():
+            try:
+                started = time.monotonic()
+                response = self._http.get("/health")
+                self.health.append(time.monotonic() - started)
+                if response.status_code != 200 or response.json().get("status") != "ok":
+                    self.failures.append(f"health: {response.status_code} {response.text[:200]}")
+                started = time.monotonic()
+                response = self._http.post(f"/sessions/{self.session_id}/exec", json={
+                    "tool": "code_execution", "input": {"code": "print(6 * 7)"}})
+                self.execs.append(time.monotonic() - started)
+                if response.status_code != 200:
+                    self.failures.append(f"exec: {response.status_code} {response.text[:200]}")
+                else:
+                    content = response.json()["result_block"]["content"]
+                    if content["stdout"] != "42\n" or content["return_code"] != 0:
+                        self.failures.append(f"exec answered wrongly: {content}")
+            except Exception as exc:  # any transport failure is a failure of the probe
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+            self._stop.wait(self.pause)
+
+    def __enter__(self) -> "Responsiveness":
+        self._thread = threading.Thread(target=self._probe, name="responsiveness", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(60)
+        try:
+            self._http.delete(f"/sessions/{self.session_id}")
+        finally:
+            self._http.close()
+
+    def summary(self) -> str:
+        def worst(samples: list[float]) -> str:
+            return f"{max(samples) * 1000:.0f} ms" if samples else "none"
+        return (f"{len(self.health)} health probes (worst {worst(self.health)}), "
+                f"{len(self.execs)} neighbour execs (worst {worst(self.execs)})")
+
+    def check(self, min_rounds: int = 3) -> None:
+        assert not self.failures, f"probes failed during the attack: {self.failures[:5]}"
+        assert len(self.execs) >= min_rounds, \
+            f"too few probes ran during the attack: {self.summary()}"
+        slow_health = [t for t in self.health if t >= self.health_bound]
+        slow_execs = [t for t in self.execs if t >= self.exec_bound]
+        assert not slow_health, f"health slower than {self.health_bound}s: {self.summary()}"
+        assert not slow_execs, f"neighbour exec slower than {self.exec_bound}s: {self.summary()}"
