@@ -117,9 +117,16 @@ def _build_root(spec: dict, home_tree_fd: int) -> None:
     for name in DEVICES:
         open(f"{root}/dev/{name}", "a").close()
         _mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
+        _mount(None, f"{root}/dev/{name}", None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{root}/dev/{name}")
+    # A private devpts instance, as bubblewrap's --dev gives: ptys work, and
+    # they are the sandbox's own.
+    os.makedirs(root + "/dev/pts")
+    _mount("devpts", root + "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+           "newinstance,ptmxmode=0666,mode=620")
+    os.symlink("pts/ptmx", root + "/dev/ptmx")
     _tmpfs(root + "/dev/shm", spec["tmp_size"])
     _tmpfs(root + "/tmp", spec["tmp_size"])
     os.makedirs(root + "/proc", exist_ok=True)
@@ -192,6 +199,11 @@ def _outer(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
 
 
 def _init(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
+    # pid 1 of a namespace ignores signals from inside it only where it has no
+    # handler: drop the ones Python installed (SIGINT), so code cannot kill it.
+    for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                   signal.SIGUSR2, signal.SIGPIPE, signal.SIGALRM):
+        signal.signal(number, signal.SIG_DFL)
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         _build_root(spec, home_tree_fd)

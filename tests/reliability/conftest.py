@@ -138,12 +138,15 @@ def wait_for_no_processes(uids: range | set[int], timeout: float = REAP_SECONDS)
 
 
 def sandbox_processes(uid: int) -> dict[str, list[dict]]:
-    """A sandbox's host processes by role: the outer bwrap (child of the server), the
-    inner bwrap (its init) and the agent (the interpreter the inner bwrap started)."""
+    """A sandbox's host processes by role, by their place in the tree (so for either
+    launcher): the outer process (bwrap, or the zygote's fork; its parent is not
+    the sandbox's), the init of the pid namespace (its child) and the agent (the
+    interpreter the init started)."""
     mine = [p for p in processes_in({uid}) if p["state"] != "Z"]
     pids = {p["pid"] for p in mine}
-    outer = [p for p in mine if p["name"] == "bwrap" and p["ppid"] not in pids]
-    inner = [p for p in mine if p["name"] == "bwrap" and p["ppid"] in pids]
+    outer = [p for p in mine if p["ppid"] not in pids]
+    outer_pids = {p["pid"] for p in outer}
+    inner = [p for p in mine if p["ppid"] in outer_pids]
     inner_pids = {p["pid"] for p in inner}
     agents = [p for p in mine if p["ppid"] in inner_pids and p["name"].startswith("python")]
     return {"outer": outer, "inner": inner, "agent": agents, "all": mine}
