@@ -50,21 +50,11 @@ def _runtime_build(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .sandbox import preflight
-    from .sandbox.cgroups import CgroupManager, CgroupUnavailable
-    from .sandbox.runtime import RuntimeMissing, find_runtime
+    from .server import startup_problems
 
-    found = preflight.problems()
-    try:
-        CgroupManager()
-    except CgroupUnavailable as exc:
-        found.append(str(exc))
-    try:
-        find_runtime(settings_from(args).runtime_dir)
-    except RuntimeMissing as exc:
-        found.append(str(exc))
+    found = startup_problems(settings_from(args))
     if found:
-        print("Shoal cannot isolate sandboxes here:\n  - " + "\n  - ".join(found), file=sys.stderr)
+        print("Shoal cannot run here:\n  - " + "\n  - ".join(found), file=sys.stderr)
         return 1
     print("isolation: bubblewrap, seccomp, cgroups and the runtime are all available")
     return 0

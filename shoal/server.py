@@ -34,7 +34,8 @@ def configure_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
-def _startup_problems(settings: Settings) -> list[str]:
+def startup_problems(settings: Settings) -> list[str]:
+    """Everything that stops this host from serving safely, named, all at once."""
     from .sandbox import preflight
     from .sandbox.cgroups import CgroupManager, CgroupUnavailable
     from .sandbox.runtime import RuntimeMissing, find_runtime
@@ -57,7 +58,7 @@ def _startup_problems(settings: Settings) -> list[str]:
 
 def serve(settings: Settings) -> int:
     configure_logging(settings.log_level)
-    found = _startup_problems(settings)
+    found = startup_problems(settings)
     if found:
         print("shoal: refusing to start:\n  - "
               + "\n  - ".join(found), file=sys.stderr)
