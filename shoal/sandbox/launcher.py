@@ -127,7 +127,7 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
             channel.close()
         else:
             host_end.close()
-        process = SandboxProcess(popen, channel, 0, outer_pid, errors_read)  # type: ignore[arg-type]
+        process = SandboxProcess(popen, channel, 0, outer_pid)  # type: ignore[arg-type]
         await asyncio.shield(asyncio.to_thread(stop_process_tree, process, cgroup))
         try:
             detail = os.read(errors_read, 4000).decode(errors="replace").strip()
