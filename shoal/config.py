@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     tokens: str = Field("", description="Bearer tokens: 'tok1=tenant-a,tok2=tenant-b', "
                                         "or '@/path/file' with one 'token=tenant' per line. "
                                         "Empty: no authentication.")
+    keep_alive_seconds: float = Field(75.0, gt=0, description="How long an idle keep-alive "
+                                      "connection stays open (longer than any gateway's pool "
+                                      "idle time, so a request never races its closing).")
     log_level: str = Field("warning", description="Log level: debug, info, warning, error.")
     shutdown_grace_seconds: float = Field(10.0, ge=0, description="How long SIGTERM waits "
                                                                   "for running calls.")

@@ -69,7 +69,8 @@ def serve(settings: Settings) -> int:
         create_app(settings), host=settings.host, port=settings.port,
         loop="uvloop", http="httptools", lifespan="on", access_log=False,
         log_config=None, log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=settings.shutdown_grace_seconds)
+        timeout_graceful_shutdown=settings.shutdown_grace_seconds,
+        timeout_keep_alive=settings.keep_alive_seconds)
     server = uvicorn.Server(config)
     print(f"shoal: serving on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
     server.run()
