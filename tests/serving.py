@@ -47,23 +47,33 @@ class Server:
         return self.process.returncode
 
 
-def start_server(tmp_path: Path, uid_base: int, data_dir: Path | None = None,
+DEFAULT_RUN_DIR = Path("/run/shoal-test")
+DEFAULTS = {"pool_size": 2, "memory_limit_mib": 512}
+
+
+def start_server(tmp_path: Path, uid_base: int, data_dir: Path | None = None, *,
+                 run_dir: Path = DEFAULT_RUN_DIR, env: dict[str, str] | None = None,
+                 server_type: type[Server] = Server, fields: dict | None = None,
                  **settings: object) -> Server:
-    """Start ``shoal serve`` with the given settings and wait until it is healthy."""
+    """Start ``shoal serve`` with the given settings and wait until it is healthy.
+
+    ``env`` adds variables to the server's environment; ``server_type`` and
+    ``fields`` let a suite use a richer ``Server`` subclass.
+    """
     port = free_port()
     data_dir = data_dir or tmp_path / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = tmp_path / f"server-{port}.log"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SHOAL_")}
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("SHOAL_")}
+    environment.update(env or {})
     args = [str(SHOAL), "serve", "--port", str(port), "--data-dir", str(data_dir),
-            "--run-dir", "/run/shoal-test", "--uid-base", str(uid_base)]
-    defaults = {"pool_size": 2, "memory_limit_mib": 512}
-    for name, value in {**defaults, **settings}.items():
+            "--run-dir", str(run_dir), "--uid-base", str(uid_base)]
+    for name, value in {**DEFAULTS, **settings}.items():
         args += [f"--{name.replace('_', '-')}", str(value)]
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(f"http://127.0.0.1:{port}", process, log_path, data_dir)
-    deadline = time.monotonic() + 60
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=environment)
+    server = server_type(f"http://127.0.0.1:{port}", process, log_path, data_dir, **(fields or {}))
+    deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"shoal serve exited with {process.returncode}:\n{server.log()}")

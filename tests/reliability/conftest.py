@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving import SHOAL, Server, free_port
+from tests.serving import DEFAULTS, Server, start_server
 
 RUN_ROOT = Path("/run/shoal-test")
 UID_COUNT = 4096
@@ -72,37 +72,15 @@ class ShoalServer(Server):
 
 def _start(tmp_path: Path, run_dir: Path, uid_base: int, data_dir: Path | None,
            settings: dict) -> ShoalServer:
-    port = free_port()
-    data_dir = data_dir or tmp_path / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    tmp_dir = tmp_path / f"tmp-{port}"
+    # A TMPDIR of its own, so the audit can tell the server's temporary files apart.
+    tmp_dir = tmp_path / f"tmp-{len(list(tmp_path.glob('tmp-*')))}"
     tmp_dir.mkdir()
-    log_path = tmp_path / f"server-{port}.log"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("SHOAL_")}
-    env["TMPDIR"] = str(tmp_dir)
-    args = [str(SHOAL), "serve", "--port", str(port), "--data-dir", str(data_dir),
-            "--run-dir", str(run_dir), "--uid-base", str(uid_base),
-            "--uid-count", str(UID_COUNT)]
-    merged = {"pool_size": 2, "memory_limit_mib": 512, **settings}
-    for name, value in merged.items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = ShoalServer(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path,
-                         data_dir=data_dir, run_dir=run_dir, tmp_dir=tmp_dir,
-                         uid_base=uid_base, settings=merged)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"shoal serve exited with {process.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    server.stop(signal.SIGKILL)
-    raise RuntimeError(f"shoal serve did not become healthy:\n{server.log()}")
+    server = start_server(
+        tmp_path, uid_base, data_dir, run_dir=run_dir, env={"TMPDIR": str(tmp_dir)},
+        server_type=ShoalServer, uid_count=UID_COUNT, **settings,
+        fields={"run_dir": run_dir, "tmp_dir": tmp_dir, "uid_base": uid_base,
+                "settings": {**DEFAULTS, **settings}})
+    return server
 
 
 # -- the host's view -----------------------------------------------------------------------------

@@ -14,8 +14,6 @@ import subprocess
 import textwrap
 import time
 
-import pytest
-
 from shoal.config import Settings
 from shoal.sandbox import Limit, SandboxPool
 
