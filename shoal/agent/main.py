@@ -162,14 +162,12 @@ def _kill_forked_copies(patience: float = 2.0) -> None:
     deadline = time.monotonic() + patience
     while time.monotonic() < deadline:
         found = 0
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) in (1, os.getpid()):
-                continue
+        for pid in _other_processes():
             try:
-                with open(f"/proc/{name}/cmdline", "rb") as handle:
+                with open(f"/proc/{pid}/cmdline", "rb") as handle:
                     if handle.read() != mine:
                         continue
-                os.kill(int(name), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
                 found += 1
             except OSError:
                 continue
@@ -207,15 +205,19 @@ def _wait_group_gone(pgid: int, patience: float = 1.0) -> None:
         time.sleep(0.002)
 
 
-def _kill_everything_else() -> None:
-    """Stop every process in the sandbox but bubblewrap's init and the agent."""
+def _other_processes() -> list[int]:
+    """Every process of the sandbox but its init (pid 1) and the agent itself."""
     keep = {1, os.getpid()}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) not in keep:
-            try:
-                os.kill(int(name), signal.SIGKILL)
-            except OSError:
-                pass
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) not in keep]
+
+
+def _kill_everything_else() -> None:
+    """Stop every process in the sandbox but its init and the agent."""
+    for pid in _other_processes():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def main() -> None:

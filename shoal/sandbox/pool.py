@@ -147,10 +147,6 @@ class SandboxPool:
     def ready_count(self) -> int:
         return len(self._ready)
 
-    @property
-    def live_count(self) -> int:
-        return len(self._live)
-
     def leftovers(self) -> dict[str, list]:
         """What the pool created and still exists; all empty when idle and closed."""
         directories = sorted(self._sandboxes_dir.iterdir()) if self._sandboxes_dir.exists() else []

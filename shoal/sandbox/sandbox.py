@@ -121,10 +121,6 @@ class Sandbox:
     def closed(self) -> bool:
         return self._closed
 
-    @property
-    def busy(self) -> bool:
-        return self._lock.locked()
-
     # -- internals ----------------------------------------------------------------
     async def _call(self, message: dict, timeout: float | None,
                     on_output: OutputCallback | None) -> ExecResult:

@@ -169,14 +169,6 @@ class ContainerManager:
         uid = live.sandbox.uid if live is not None and not live.sandbox.closed else 0
         return self.files.files(record.tenant, record.id, uid)
 
-    @property
-    def live_sandboxes(self) -> int:
-        return len(self._live)
-
-    def has_live_sandbox(self, tenant: str, container_id: str) -> bool:
-        live = self._live.get((tenant, container_id))
-        return live is not None and not live.sandbox.closed
-
     # -- reaping ------------------------------------------------------------------------
     async def reap(self) -> None:
         now = time.monotonic()

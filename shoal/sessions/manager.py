@@ -45,7 +45,6 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         self._reserved = 0
         self._reaper: asyncio.Task | None = None
-        self.reaped = 0
 
     async def start(self) -> None:
         await self.metadata.open()
@@ -147,7 +146,6 @@ class SessionManager:
         for session in expired:
             log.info("reaping session %s (tenant %s)", session.id, session.tenant)
             await self._release(session)
-        self.reaped += len(expired)
         return len(expired)
 
     async def _reap_forever(self) -> None:
