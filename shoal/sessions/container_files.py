@@ -112,43 +112,47 @@ class ContainerFiles:
 
         entries = await asyncio.to_thread(scan)
         known = {row.path: row for row in await self._metadata.list_files(record.tenant, record.id)}
-        current = []
-        for entry in entries:
-            path = entry.path.sandbox_path
-            row = known.pop(path, None)
-            if row is None or row.size != entry.size:
-                row = FileRecord(
-                    tenant=record.tenant, container_id=record.id, path=path,
-                    created_at=row.created_at if row else entry.modified_at, size=entry.size,
-                    source=row.source if row else ("assistant" if entry.path.mount == OUTPUTS else "user"),
-                    etag=None if row is None or row.size != entry.size else row.etag)
-                await self._metadata.put_file(row)
-            current.append(row)
+        current = [await self._reconciled(record, entry, known.pop(entry.path.sandbox_path, None))
+                   for entry in entries]
         if known:
             await self._metadata.delete_files(record.tenant, record.id, list(known))
         current.sort(key=lambda row: (row.created_at, row.path))
         return [ContainerFile(row) for row in current]
 
+    async def _reconciled(self, record: ContainerRecord, entry: FileEntry,
+                          row: FileRecord | None) -> FileRecord:
+        """The metadata row of a file as found on disk, recorded anew if the file
+        is new (first seen now) or changed size since (its etag is then unknown)."""
+        if row is not None and row.size == entry.size:
+            return row
+        row = FileRecord(
+            tenant=record.tenant, container_id=record.id, path=entry.path.sandbox_path,
+            created_at=row.created_at if row else entry.modified_at, size=entry.size,
+            source=row.source if row else ("assistant" if entry.path.mount == OUTPUTS else "user"))
+        await self._metadata.put_file(row)
+        return row
+
     async def get(self, record: ContainerRecord, file_id: str) -> ContainerFile:
+        """One file by id: looked up directly, without listing the container."""
         path = _path_of_id(file_id)
+        try:
+            entry = await asyncio.to_thread(self._containers.files_of(record).stat, path)
+        except FileAccessError:
+            raise _missing(file_id) from None  # only regular files have ids, as in a listing
         if path.mount == WORKSPACE:
             # Workspace files are not listed, but addressable by id all the same.
-            entry = await asyncio.to_thread(self._containers.files_of(record).stat, path)
             return ContainerFile(FileRecord(tenant=record.tenant, container_id=record.id,
                                             path=path.sandbox_path, created_at=entry.modified_at,
                                             size=entry.size, source="assistant"))
-        for item in await self.list(record):
-            if item.path == path.sandbox_path:
-                return item
-        raise _missing(file_id)
+        row = await self._metadata.get_file(record.tenant, record.id, path.sandbox_path)
+        return ContainerFile(await self._reconciled(record, entry, row))
 
     async def put(self, record: ContainerRecord, path: SandboxPath, source: BinaryIO,
                   source_kind: str = "user") -> ContainerFile:
         files = self._containers.files_of(record)
         reader = _HashingReader(source)
         size = await asyncio.to_thread(files.write, path, reader)
-        existing = {row.path: row for row in await self._metadata.list_files(record.tenant, record.id)}
-        previous = existing.get(path.sandbox_path)
+        previous = await self._metadata.get_file(record.tenant, record.id, path.sandbox_path)
         row = FileRecord(tenant=record.tenant, container_id=record.id, path=path.sandbox_path,
                          created_at=previous.created_at if previous else time.time(), size=size,
                          source=source_kind, etag=reader.digest.hexdigest())

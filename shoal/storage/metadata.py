@@ -88,6 +88,9 @@ class MetadataStore(abc.ABC):
         """Insert or replace (an overwrite keeps the path, updates the rest)."""
 
     @abc.abstractmethod
+    async def get_file(self, tenant: str, container_id: str, path: str) -> FileRecord | None: ...
+
+    @abc.abstractmethod
     async def list_files(self, tenant: str, container_id: str) -> list[FileRecord]:
         """Oldest first, ties broken by path."""
 

@@ -157,6 +157,12 @@ class SqliteMetadataStore(MetadataStore):
             (record.tenant, record.container_id, record.path, record.created_at, record.size,
              record.source, record.etag))
 
+    async def get_file(self, tenant: str, container_id: str, path: str) -> FileRecord | None:
+        rows = await self._rows(
+            "SELECT tenant, container_id, path, created_at, size, source, etag FROM container_files "
+            "WHERE tenant = ? AND container_id = ? AND path = ?", (tenant, container_id, path))
+        return _file(rows[0]) if rows else None
+
     async def list_files(self, tenant: str, container_id: str) -> list[FileRecord]:
         rows = await self._rows(
             "SELECT tenant, container_id, path, created_at, size, source, etag FROM container_files "
