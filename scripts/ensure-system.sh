@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Installs the Debian packages Shoal's sandboxes need (runtime/debian-packages.txt).
+# Installs the Debian packages Shoal's sandboxes need (runtime/debian-packages.txt),
+# or those of another list given as the argument (make test: runtime/test-packages.txt).
 # As root it uses apt-get; otherwise it names what is missing and how to get it,
 # and fails, because Shoal never runs code without its isolation tools.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-list="$here/runtime/debian-packages.txt"
+list="${1:-$here/runtime/debian-packages.txt}"
 missing=()
 while read -r package; do
     case "$package" in ''|\#*) continue ;; esac
