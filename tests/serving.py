@@ -51,6 +51,12 @@ DEFAULT_RUN_DIR = Path("/run/shoal-test")
 DEFAULTS = {"pool_size": 2, "memory_limit_mib": 512}
 
 
+def launcher() -> str:
+    """The launcher the servers of this test run use: ``SHOAL_LAUNCHER`` of the test
+    process (the Makefile's zygote pass sets it), else bubblewrap."""
+    return os.environ.get("SHOAL_LAUNCHER") or "bwrap"
+
+
 def start_server(tmp_path: Path, uid_base: int, data_dir: Path | None = None, *,
                  run_dir: Path = DEFAULT_RUN_DIR, env: dict[str, str] | None = None,
                  server_type: type[Server] = Server, fields: dict | None = None,
@@ -58,7 +64,9 @@ def start_server(tmp_path: Path, uid_base: int, data_dir: Path | None = None, *,
     """Start ``shoal serve`` with the given settings and wait until it is healthy.
 
     ``env`` adds variables to the server's environment; ``server_type`` and
-    ``fields`` let a suite use a richer ``Server`` subclass.
+    ``fields`` let a suite use a richer ``Server`` subclass. The server's own
+    environment has no ``SHOAL_*`` variable, so only the flags count; the launcher
+    is the test run's (:func:`launcher`) unless ``launcher=`` is given.
     """
     port = free_port()
     data_dir = data_dir or tmp_path / "data"
@@ -68,7 +76,7 @@ def start_server(tmp_path: Path, uid_base: int, data_dir: Path | None = None, *,
     environment.update(env or {})
     args = [str(SHOAL), "serve", "--port", str(port), "--data-dir", str(data_dir),
             "--run-dir", str(run_dir), "--uid-base", str(uid_base)]
-    for name, value in {**DEFAULTS, **settings}.items():
+    for name, value in {**DEFAULTS, "launcher": launcher(), **settings}.items():
         args += [f"--{name.replace('_', '-')}", str(value)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=environment)

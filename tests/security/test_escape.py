@@ -65,6 +65,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import serving
 from tests.security.helpers import execute, http_probe, new_session, probe, probe_child, run_ok
 
 X86_64 = pytest.mark.skipif(platform.machine() != "x86_64",
@@ -847,9 +848,11 @@ def test_the_servers_pid_is_out_of_reach(security_server):
                 rc = libc.syscall(ctypes.c_long(434), ctypes.c_long({server_pid}), ctypes.c_long(0))
                 res["pidfd_open"] = ctypes.get_errno() if rc == -1 else 0
             """)
-            if not res.pop("inside"):
-                assert res == {"probe": errno.ESRCH, "SIGCONT": errno.ESRCH, "SIGWINCH": errno.ESRCH,
-                               "pidfd_open": errno.ESRCH}, res
+            # The sandbox's pid namespace numbers its few processes from 1: the server's
+            # (host) pid can only be among them if the namespace is not private.
+            assert res.pop("inside") is False, f"pid {server_pid} is visible in the sandbox"
+            assert res == {"probe": errno.ESRCH, "SIGCONT": errno.ESRCH, "SIGWINCH": errno.ESRCH,
+                           "pidfd_open": errno.ESRCH}, res
             # kill -9 -1: everything the attacker may signal, which is its own sandbox only.
             killed = execute(http, attacker, "kill -KILL -1; sleep 1", tool="bash", timeout=10)
             assert killed.status == 200 and killed.body["interpreter_restarted"], killed.text
@@ -861,6 +864,50 @@ def test_the_servers_pid_is_out_of_reach(security_server):
         finally:
             http.delete(f"/sessions/{attacker}")
             http.delete(f"/sessions/{bystander}")
+
+
+def _status_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as handle:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in handle if ":\t" in line)
+
+
+def _launcher_of_sandbox(uid: int, server_pid: int) -> str:
+    """Which launcher started the sandbox running as ``uid``, seen from the host: bwrap's
+    outer process is the server's child, named bwrap; a zygote's fork is the child of
+    the zygote, a process of the server's that runs ``shoal_agent.zygote``."""
+    mine = {int(p) for p in os.listdir("/proc") if p.isdigit()
+            and _uid_of(int(p)) == uid}
+    outer = [pid for pid in mine if int(_status_of(pid)["PPid"]) not in mine]
+    assert len(outer) == 1, f"uid {uid} runs {len(outer)} sandbox trees: {sorted(mine)}"
+    status = _status_of(outer[0])
+    parent = int(status["PPid"])
+    with open(f"/proc/{parent}/cmdline", "rb") as handle:
+        parent_command = handle.read()
+    if parent == server_pid and status["Name"] == "bwrap":
+        return "bwrap"
+    if b"shoal_agent.zygote" in parent_command:
+        return "zygote"
+    return f"unknown (outer {status['Name']}, parent {parent_command!r})"
+
+
+def _uid_of(pid: int) -> int | None:
+    try:
+        return int(_status_of(pid)["Uid"].split()[0])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def test_the_http_server_runs_on_the_launcher_of_this_run(security_server):
+    """The server fixtures honour SHOAL_LAUNCHER (tests/serving.py), so that the
+    Makefile's zygote pass runs its HTTP tests on the zygote, not on bwrap."""
+    with httpx.Client(base_url=security_server.url, timeout=60) as http:
+        session = new_session(http)
+        try:
+            uid = int(run_ok(http, session, "id -u", tool="bash")["stdout"])
+            seen = _launcher_of_sandbox(uid, security_server.process.pid)
+        finally:
+            http.delete(f"/sessions/{session}")
+    assert seen == serving.launcher(), f"SHOAL_LAUNCHER={os.environ.get('SHOAL_LAUNCHER')!r}"
 
 
 async def test_pid_1_ignores_signals_from_inside(sandbox):
