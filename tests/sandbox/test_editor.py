@@ -210,7 +210,9 @@ async def test_create_in_outputs_is_a_produced_file(sandbox):
 async def test_uploads_are_read_only(sandbox):
     result = await edit(sandbox, command="create", path="/mnt/user-data/uploads/x.txt",
                         file_text="nope")
-    assert_error(result)
+    assert_error(result, "Read-only file system")
+    assert not await exists(sandbox, "/mnt/user-data/uploads/x.txt")
+    assert not (sandbox.home.uploads / "x.txt").exists()
 
 
 # -- str_replace ---------------------------------------------------------------------------
@@ -434,25 +436,42 @@ async def test_path_with_nul_byte(sandbox):
 
 
 # -- nothing outside the sandbox is reachable ---------------------------------------------------
-@pytest.mark.parametrize("path", [
-    "../../etc/passwd", "../../../etc/passwd", "../../../../../../etc/passwd", "/etc/passwd",
-    "/usr/bin/python3-owned.txt", "../../../root/owned.txt",
+def _files_holding(root: Path, needle: bytes) -> list[str]:
+    """Files under ``root`` (a sandbox's host directories) whose content holds ``needle``."""
+    return [str(path) for path in root.rglob("*")
+            if path.is_file() and not path.is_symlink() and needle in path.read_bytes()]
+
+
+# Each path leaves the workspace for a place that is read-only inside the sandbox
+# (the synthetic /etc, /usr, the read-only root); where it resolves to there.
+@pytest.mark.parametrize("path, resolved", [
+    ("../../etc/passwd", "/home/etc/passwd"), ("../../../etc/passwd", "/etc/passwd"),
+    ("../../../../../../etc/passwd", "/etc/passwd"), ("/etc/passwd", "/etc/passwd"),
+    ("/usr/bin/python3-owned.txt", "/usr/bin/python3-owned.txt"),
+    ("../../../root/owned.txt", "/root/owned.txt"),
 ])
-async def test_escaping_paths_cannot_touch_the_host(sandbox, path):
+async def test_escaping_paths_cannot_touch_the_host(sandbox, path, resolved):
     host_passwd = Path("/etc/passwd")
     before = hashlib.sha256(host_passwd.read_bytes()).hexdigest()
+    inside_before = await read(sandbox, "/etc/passwd")
     create = await edit(sandbox, command="create", path=path, file_text="owned::0:0::/:/bin/sh\n")
-    replace = await edit(sandbox, command="str_replace", path=path, old_str="root", new_str="owned")
+    replace = await edit(sandbox, command="str_replace", path=path, old_str="agent:x:",
+                         new_str="owned::0:0")
     insert = await edit(sandbox, command="insert", path=path, insert_line=0, new_str="owned::0:0")
     assert hashlib.sha256(host_passwd.read_bytes()).hexdigest() == before
     assert not Path("/root/owned.txt").exists()
     assert not Path("/usr/bin/python3-owned.txt").exists()
+    # Every edit was refused (the targets are read-only inside the sandbox too) ...
     for result in (create, replace, insert):
-        if result.return_code == 0:
-            # It landed inside the sandbox's own writable space, never on the host.
-            assert sandbox.home.root.exists()
-        else:
-            assert_error(result)
+        assert_error(result)
+    assert "Read-only file system" in create.stderr, create.stderr
+    # ... and the write landed nowhere: not at the path it named inside the sandbox,
+    # not anywhere in the sandbox's own writable space on the host.
+    if resolved == "/etc/passwd":
+        assert await read(sandbox, resolved) == inside_before
+    else:
+        assert not await exists(sandbox, resolved)
+    assert _files_holding(sandbox.home.root, b"owned::0:0") == []
 
 
 async def test_view_of_etc_passwd_is_the_synthetic_one(sandbox):
