@@ -60,8 +60,8 @@ def _ran(outcome) -> str:
     assert status == 200 and errors == []
     assert body["tool_use_id"] == f"srvtoolu_{MARKER}"
     content = body["result_block"]["content"]
-    assert content.get("return_code") in (None, 0)
-    return content.get("stdout") or ""
+    assert content["return_code"] == 0, content
+    return content["stdout"]
 
 
 def test_create_session(checked):
