@@ -12,6 +12,10 @@ end of a call the agent itself drains what is already in the pipes, under the
 same lock the pump uses, which keeps the order of the bytes and costs no thread
 wake-up. What background jobs print between calls is dropped.
 
+Output is coalesced: bytes wait until 4 KiB have gathered or 50 ms have passed
+since the first of them, so a chatty program costs the channel a frame per
+chunk, not per ``print``, and the host still sees output while the call runs.
+
 The pump enforces the per-stream cap, so a program that prints forever costs
 the host nothing beyond it.
 """
@@ -23,12 +27,15 @@ import fcntl
 import os
 import select
 import threading
+import time
 from typing import Callable
 
 TRUNCATION_MARKER = "\n...[truncated]"
 _READ_SIZE = 65536
 _F_SETPIPE_SZ = 1031
 _PIPE_SIZE = 1024 * 1024
+COALESCE_BYTES = 4096
+COALESCE_SECONDS = 0.05
 
 
 class _CallState:
@@ -39,6 +46,10 @@ class _CallState:
         self.truncated = {"stdout": False, "stderr": False}
         self.decoders = {name: codecs.getincrementaldecoder("utf-8")("replace")
                          for name in self.sent}
+        # Text decoded but not yet sent, and when its first byte arrived.
+        self.held: dict[str, list[str]] = {name: [] for name in self.sent}
+        self.held_bytes = {name: 0 for name in self.sent}
+        self.held_since: float | None = None
 
 
 class OutputCapture:
@@ -60,7 +71,7 @@ class OutputCapture:
             self._readers[read_end] = name
             self._writers[name] = write_end
         self.attach()
-        threading.Thread(target=self._pump, name="output-pump", daemon=True).start()
+        threading.Thread(target=self._pump, name="shoal-output-pump", daemon=True).start()
 
     def attach(self) -> None:
         """Point fds 1 and 2 at the pipes again, in case user code moved them."""
@@ -81,11 +92,10 @@ class OutputCapture:
         if call is None:
             return {"stdout": False, "stderr": False}
         for name, decoder in call.decoders.items():
-            tail = decoder.decode(b"", final=True)
+            call.held[name].append(decoder.decode(b"", final=True))
             if call.truncated[name]:
-                tail += TRUNCATION_MARKER
-            if tail:
-                self._send({"id": call.call_id, "type": "out", "stream": name, "data": tail})
+                call.held[name].append(TRUNCATION_MARKER)
+        self._release(call)
         return call.truncated
 
     def _pump(self) -> None:
@@ -93,11 +103,29 @@ class OutputCapture:
         for fd in self._readers:
             poller.register(fd, select.POLLIN)
         while True:
-            poller.poll()
+            call = self._call
+            wait = None
+            if call is not None and call.held_since is not None:
+                wait = max(0, int((call.held_since + COALESCE_SECONDS - time.monotonic()) * 1000))
+            poller.poll(wait)
             with self._lock:
                 # A bounded helping per turn, so a writer faster than us can
                 # never keep the lock from the end of a call.
                 self._drain_locked(budget=4 * _READ_SIZE)
+                call = self._call
+                if (call is not None and call.held_since is not None
+                        and time.monotonic() - call.held_since >= COALESCE_SECONDS):
+                    self._release(call)
+
+    def _release(self, call: _CallState) -> None:
+        """Send what the call holds back, one frame per stream."""
+        for name, parts in call.held.items():
+            text = "".join(parts)
+            parts.clear()
+            call.held_bytes[name] = 0
+            if text:
+                self._send({"id": call.call_id, "type": "out", "stream": name, "data": text})
+        call.held_since = None
 
     def _drain_locked(self, budget: int = 2 * _PIPE_SIZE) -> None:
         """Read what the pipes hold now, at most ``budget`` bytes per stream.
@@ -128,4 +156,9 @@ class OutputCapture:
         call.sent[stream] += len(data)
         text = call.decoders[stream].decode(data)
         if text:
-            self._send({"id": call.call_id, "type": "out", "stream": stream, "data": text})
+            call.held[stream].append(text)
+            call.held_bytes[stream] += len(data)
+            if call.held_since is None:
+                call.held_since = time.monotonic()
+            if call.held_bytes[stream] >= COALESCE_BYTES:
+                self._release(call)  # one read at most per frame: frames stay small

@@ -1,16 +1,20 @@
 """The agent's entry point: serve calls from the host until the channel closes.
 
 The agent is the sandbox's only long-lived process besides bubblewrap's init.
-It reads one call at a time from the channel (the host serializes calls to a
-session), runs it, streams its output and answers with one ``done`` frame.
-Timeouts are enforced here, next to the code, so that a Python call can be
-interrupted without losing the interpreter; the host keeps a backstop that
-destroys the whole sandbox if the agent itself stops answering.
+It runs one call at a time (the host serializes calls to a session), streams
+its output and answers with one ``done`` frame. A reader thread keeps listening
+while a call runs, for what the host sends in the middle of one: the results of
+inner tool calls, and cancellation. Timeouts are enforced here, next to the
+code, so that a Python call can be interrupted without losing the interpreter;
+the host keeps a backstop that destroys the whole sandbox if the agent itself
+stops answering.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import select
 import signal
 import socket
 import subprocess
@@ -18,15 +22,26 @@ import sys
 import threading
 import time
 
-from . import produced
+from . import produced, tools
 from .capture import OutputCapture
 from .editor import TextEditor
 from .protocol import CHANNEL_FD, FrameError, encode, recv_frame
-from .python_repl import PythonInterpreter
+from .python_repl import CANCELLED_RETURN_CODE, PythonInterpreter
 
 WORKSPACE = "/home/agent/workspace"
 MAX_PRODUCED_FILES = 50
 DEFAULT_CAP = 1024 * 1024
+BUN = "/opt/shoal/runtime/bin/bun"
+_HERE = os.path.dirname(os.path.abspath(__file__))
+BUNFIG = os.path.join(_HERE, "bunfig.toml")
+SYNC_STDIO = os.path.join(_HERE, "syncstdio.js")
+# No package is ever installed, no .env file of the workspace is read, nothing
+# is cached under $HOME, nothing is reported.
+_BUN_ENV = {"DO_NOT_TRACK": "1", "BUN_RUNTIME_TRANSPILER_CACHE_PATH": "0",
+            "BUN_OPTIONS": "--no-install --no-env-file"}
+EXTERNAL_FILES = "/home/agent/.external-files"
+_BUN_MISSING = ("JavaScript is not available: this server's runtime has no Bun "
+                "(rebuild it with `shoal runtime build`, which installs the pinned Bun)\n")
 
 
 class Agent:
@@ -36,7 +51,15 @@ class Agent:
         self._capture = OutputCapture(self.send)
         self._python = PythonInterpreter()
         self._editor = TextEditor()
+        self._relay = tools.ToolRelay(self.send)
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._scripts = 0
+        self._stubs: list[str] = []
+        # The call in progress, and what stops it when the host cancels it.
+        self._current: object = None
+        self._cancelled: set = set()
+        self._stop_current = lambda: None
+        self._state_lock = threading.Lock()
 
     def send(self, message: dict) -> None:
         frame = encode(message)
@@ -47,39 +70,76 @@ class Agent:
         global _AGENT_PID
         _AGENT_PID = os.getpid()  # a zygote's fork is the agent: its pid, not the zygote's
         self.send({"type": "ready", "pid": os.getpid()})
+        threading.Thread(target=self._read, name="shoal-channel-reader", daemon=True).start()
         while True:
-            try:
-                message = recv_frame(self._channel)
-            except FrameError:
-                return
+            message = self._work.get()
             if message is None:
                 return
             call_id = message.get("id")
+            with self._state_lock:
+                self._current = call_id
+                cancelled = call_id in self._cancelled
             try:
-                result = self._dispatch(message)
+                if cancelled:
+                    result = {"return_code": CANCELLED_RETURN_CODE, "cancelled": True}
+                else:
+                    result = self._dispatch(message)
             except Exception as exc:  # the agent must outlive any one call
                 result = {"return_code": 1, "error": f"agent error: {exc!r}"}
+            with self._state_lock:
+                self._current = None
+                if call_id in self._cancelled:
+                    result["cancelled"] = True
+                self._cancelled.clear()
+                self._stop_current = lambda: None
             result.update(id=call_id, type="done")
             self.send(result)
             if message.get("op") == "exit":
                 return
 
+    def _read(self) -> None:
+        """Frames from the host: calls are queued for the main thread; tool results
+        and cancellations are acted on at once, while a call runs."""
+        while True:
+            try:
+                message = recv_frame(self._channel)
+            except (FrameError, OSError):
+                message = None
+            if message is None:
+                self._relay.abort("the host closed the channel")
+                self._work.put(None)
+                return
+            op = message.get("op")
+            if op == "tool_result":
+                self._relay.deliver(message)
+            elif op == "cancel":
+                self._cancel(message.get("id"))
+            else:
+                self._work.put(message)
+
+    def _cancel(self, call_id: object) -> None:
+        with self._state_lock:
+            self._cancelled.add(call_id)
+            running = self._current == call_id
+            stop = self._stop_current
+        if running:
+            stop()
+            self._relay.abort("the call was cancelled")
+
     def _dispatch(self, message: dict) -> dict:
         op = message.get("op")
         cap = _positive_int(message.get("cap"), DEFAULT_CAP)
-        timeout = max(0.001, float(message.get("timeout") or 60))
         if op == "ping" or op == "exit":
             return {"return_code": 0}
         if op == "preload":
             return {"return_code": 0, "failed": self._python.preload(list(message["modules"]))}
         if op == "python":
-            return self._captured(message, cap, lambda: self._run_python(message["code"], timeout))
+            return self._captured(message, cap, lambda clock: self._run_python(message, clock))
         if op == "bash":
             argv = ["/bin/bash", "-c", message["command"]]
-            return self._captured(message, cap, lambda: self._run_process(argv, timeout))
+            return self._captured(message, cap, lambda clock: self._run_process(argv, clock))
         if op == "javascript":
-            argv = ["node", self._write_script(message["code"])]
-            return self._captured(message, cap, lambda: self._run_process(argv, timeout))
+            return self._captured(message, cap, lambda clock: self._run_javascript(message, clock))
         if op == "edit":
             before = produced.snapshot()
             result = self._editor.run(message.get("request") or {})
@@ -89,25 +149,47 @@ class Agent:
         return {"return_code": 1, "error": f"unknown op {op!r}"}
 
     def _captured(self, message: dict, cap: int, run) -> dict:
+        timeout = max(0.001, float(message.get("timeout") or 60))
+        clock = _Clock(timeout)
+        wait_limit = _positive_number(message.get("tool_wait"), 300.0)
+        if message.get("external_files"):
+            _link_external_files()
         before = produced.snapshot()
         self._capture.begin(message.get("id"), cap)
+        self._relay.begin(message.get("id"), wait_limit, clock.pause, clock.resume)
         try:
-            return_code, timed_out = run()
+            return_code, timed_out = run(clock)
         finally:
             _exit_if_forked_copy()
+            self._relay.finish()
             truncated = self._capture.finish()
         return {
             "return_code": return_code,
             "timed_out": timed_out,
             "truncated": truncated,
             "files": produced.produced_since(before, MAX_PRODUCED_FILES),
+            "tool_calls": self._relay.calls_made,
         }
 
-    def _run_python(self, code: str, timeout: float) -> tuple[int, bool]:
+    def _on_stop(self, stop) -> None:
+        with self._state_lock:
+            self._stop_current = stop
+            cancelled = self._current in self._cancelled
+        if cancelled:
+            stop()
+
+    def _run_python(self, message: dict, clock: "_Clock") -> tuple[int, bool]:
+        stubs = message.get("tools")
+        self._stubs = tools.install_python(
+            self._python.namespace, self._relay, stubs if isinstance(stubs, list) else [],
+            message.get("tool_module") if isinstance(message.get("tool_module"), str) else None,
+            self._stubs)
+        clock.on_pause, clock.on_resume = self._python.pause_clock, self._python.resume_clock
+        self._on_stop(self._python.cancel)
         forks_before = _forks_made
-        return_code, timed_out = self._python.run(code, timeout)
+        return_code, timed_out = self._python.run(message["code"], clock.seconds)
         self._python.save_open_figures()
-        if timed_out:
+        if timed_out or return_code == CANCELLED_RETURN_CODE:
             _kill_everything_else()
         elif _forks_made != forks_before:
             # The code forked copies of this interpreter (os.fork, multiprocessing
@@ -115,31 +197,92 @@ class Agent:
             _kill_forked_copies()
         return return_code, timed_out
 
+    def _run_javascript(self, message: dict, clock: "_Clock") -> tuple[int, bool]:
+        if not os.access(BUN, os.X_OK):
+            os.write(2, _BUN_MISSING.encode())
+            return 127, False
+        self._scripts += 1
+        script = self._write_file(f"/tmp/.shoal-script-{self._scripts}.js", message["code"])
+        argv = [BUN, f"--config={BUNFIG}", "--preload", SYNC_STDIO]
+        env = {**os.environ, **_BUN_ENV}
+        bridge = None
+        stubs = message.get("tools")
+        if isinstance(stubs, list) and stubs:
+            prelude = self._write_file(f"/tmp/.shoal-tools-{self._scripts}.js",
+                                       tools.javascript_stubs(stubs))
+            bridge = tools.JavaScriptBridge(self._relay, f"/tmp/.shoal-tools-{self._scripts}.sock")
+            env["SHOAL_TOOLS_SOCKET"] = bridge.path
+            argv += ["--preload", prelude]
+        try:
+            return self._run_process([*argv, script], clock, env)
+        finally:
+            if bridge is not None:
+                bridge.close()
+
     @staticmethod
-    def _run_process(argv: list[str], timeout: float) -> tuple[int, bool]:
+    def _write_file(path: str, text: str) -> str:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        return path
+
+    def _run_process(self, argv: list[str], clock: "_Clock",
+                     env: dict | None = None) -> tuple[int, bool]:
         try:
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=WORKSPACE,
-                                       start_new_session=True)
+                                       start_new_session=True, env=env)
         except OSError as exc:
             os.write(2, f"could not start {argv[0]}: {exc}\n".encode())
             return 127, False
-        try:
-            return_code = process.wait(timeout)
-        except subprocess.TimeoutExpired:
+        stopped = threading.Event()
+
+        def stop() -> None:
+            stopped.set()
             _kill_group(process.pid)
-            process.wait()
+
+        self._on_stop(stop)
+        while not _exited(process, 0.5 if clock.paused else min(clock.remaining(), 0.5)):
+            if clock.remaining() <= 0 and not clock.paused:
+                _kill_group(process.pid)
+                process.wait()
+                _wait_group_gone(process.pid)
+                return 124, True
+        return_code = process.wait()
+        if stopped.is_set():
             _wait_group_gone(process.pid)
-            return 124, True
+            return CANCELLED_RETURN_CODE, False
         if return_code < 0:
             return_code = 128 - return_code
         return return_code, False
 
-    def _write_script(self, code: str) -> str:
-        self._scripts += 1
-        path = f"/tmp/.shoal-script-{self._scripts}.js"
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(code)
-        return path
+
+class _Clock:
+    """A call's time budget, stopped while its code waits for tool results."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._deadline = time.monotonic() + seconds
+        self._paused_at: float | None = None
+        self.on_pause = lambda: None
+        self.on_resume = lambda: None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
+    def remaining(self) -> float:
+        now = self._paused_at if self._paused_at is not None else time.monotonic()
+        return self._deadline - now
+
+    def pause(self) -> None:
+        if self._paused_at is None:
+            self._paused_at = time.monotonic()
+            self.on_pause()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._deadline += time.monotonic() - self._paused_at
+            self._paused_at = None
+            self.on_resume()
 
 
 _AGENT_PID = os.getpid()
@@ -185,6 +328,52 @@ def _exit_if_forked_copy() -> None:
 
 def _positive_int(value: object, default: int) -> int:
     return value if isinstance(value, int) and value > 0 else default
+
+
+def _exited(process: subprocess.Popen, timeout: float) -> bool:
+    """Wait up to ``timeout`` for a child to exit, woken the moment it does
+    (a pidfd), not at the next tick of a polling loop."""
+    try:
+        fd = os.pidfd_open(process.pid)
+    except OSError:  # already reaped, or no pidfds here
+        try:
+            process.wait(max(timeout, 0))
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
+    finally:
+        os.close(fd)
+
+
+def _positive_number(value: object, default: float) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return default
+
+
+def _link_external_files() -> None:
+    """``./external-files`` in the workspace: the container's files, read-only.
+
+    The host lays them out in a read-only mount; the link is made here, as the
+    sandbox's own uid, and only replaces a link (never a file the code made).
+    """
+    link = os.path.join(WORKSPACE, "external-files")
+    try:
+        if os.readlink(link) == EXTERNAL_FILES:
+            return
+        os.unlink(link)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return  # a real file or directory of the code's own: leave it
+    try:
+        os.symlink(EXTERNAL_FILES, link)
+    except OSError:
+        pass
 
 
 def _kill_group(pgid: int) -> None:

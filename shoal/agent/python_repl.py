@@ -8,7 +8,9 @@ while the interpreter and its state live on.
 
 Timeouts arrive as SIGALRM and are raised as ``KeyboardInterrupt`` inside user
 code only, so an expiry never lands in the agent's own bookkeeping and the
-namespace survives the interruption.
+namespace survives the interruption. A cancellation from the host takes the
+same road. While the code waits for an inner tool call the timer is stopped and
+later re-armed with what was left, so waiting for the client costs no budget.
 """
 
 from __future__ import annotations
@@ -29,12 +31,21 @@ class CallTimedOut(KeyboardInterrupt):
     """Raised into user code when the call's time is up."""
 
 
+class CallCancelled(CallTimedOut):
+    """Raised into user code when the host cancels the call."""
+
+
+CANCELLED_RETURN_CODE = 130
+
+
 class PythonInterpreter:
     def __init__(self) -> None:
         self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
         self._cells = 0
         self._in_user_code = False
         self._timed_out = False
+        self._cancelled = False
+        self._paused_remaining: float | None = None
         signal.signal(signal.SIGALRM, self._on_alarm)
         signal.signal(signal.SIGINT, self._on_interrupt)
         # Figures are collected after every call; Agg's show() has nothing to show.
@@ -42,11 +53,31 @@ class PythonInterpreter:
 
     # -- signals -----------------------------------------------------------
     def _on_alarm(self, signum, frame) -> None:
-        self._timed_out = True
+        if not self._cancelled:
+            self._timed_out = True
         if self._in_user_code:
             # Re-arm: code that swallows the first interrupt gets another.
             signal.setitimer(signal.ITIMER_REAL, 1.0)
-            raise CallTimedOut()
+            raise CallCancelled() if self._cancelled else CallTimedOut()
+
+    # -- from other threads ----------------------------------------------------
+    def cancel(self) -> None:
+        """Stop the running cell soon (the host cancelled the call)."""
+        self._cancelled = True
+        self._paused_remaining = None
+        signal.setitimer(signal.ITIMER_REAL, 0.001)
+
+    def pause_clock(self) -> None:
+        """Code waits for a tool result: stop its timer, keep what is left."""
+        if self._cancelled or self._paused_remaining is not None:
+            return
+        remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+        self._paused_remaining = remaining if remaining > 0 else 0.001
+
+    def resume_clock(self) -> None:
+        remaining, self._paused_remaining = self._paused_remaining, None
+        if remaining is not None and self._in_user_code and not self._cancelled:
+            signal.setitimer(signal.ITIMER_REAL, remaining)
 
     def _on_interrupt(self, signum, frame) -> None:
         if self._in_user_code:
@@ -69,6 +100,8 @@ class PythonInterpreter:
         filename = f"<cell-{self._cells}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         self._timed_out = False
+        self._cancelled = False
+        self._paused_remaining = None
         try:
             body, last = self._compile(source, filename)
         except SyntaxError as exc:
@@ -90,7 +123,11 @@ class PythonInterpreter:
             finally:
                 self._in_user_code = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
+        except CallCancelled:
+            return CANCELLED_RETURN_CODE, False
         except CallTimedOut:
+            if self._cancelled:
+                return CANCELLED_RETURN_CODE, False
             return 124, True
         except SystemExit as exc:
             return_code = _exit_code(exc)
@@ -99,6 +136,8 @@ class PythonInterpreter:
             return_code = 1
         finally:
             _flush_std_streams()
+        if self._cancelled:
+            return CANCELLED_RETURN_CODE, False
         if self._timed_out:
             return 124, True
         return return_code, False

@@ -11,12 +11,14 @@ from .pool import SandboxPool
 from .preflight import IsolationUnavailable
 from .result import ExecResult, Limit, ProducedFile, decode_file_id, encode_file_id
 from .runtime import RuntimeMissing
-from .sandbox import Sandbox, SandboxClosed
+from .sandbox import OutputCallback, Sandbox, SandboxClosed
+from .toolcalls import StubSpec, ToolCall, ToolHandler, ToolOutcome
 
 __all__ = [
     "CallTooLarge",
     "FileAccessError", "FileEntry", "FileMissing", "FileTooLarge", "IsDirectory",
     "PathOutside", "SandboxFiles", "SandboxPath", "guess_mime_type", "parse_path",
     "ExecResult", "IsolationUnavailable", "Limit", "ProducedFile", "RuntimeMissing",
-    "Sandbox", "SandboxClosed", "SandboxPool", "decode_file_id", "encode_file_id",
+    "OutputCallback", "Sandbox", "SandboxClosed", "SandboxPool", "StubSpec", "ToolCall",
+    "ToolHandler", "ToolOutcome", "decode_file_id", "encode_file_id",
 ]

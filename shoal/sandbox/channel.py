@@ -4,6 +4,10 @@ Everything that arrives here was written by a process that untrusted code
 shares (user Python runs inside the agent and can write to its socket), so every
 frame is size-checked and every field type-checked before it is believed, and
 output is never buffered past the cap whatever the agent claims.
+
+One call runs at a time and its loop is the only reader; while it runs, the host
+may still write to the agent (inner tool results, a cancellation) with
+:meth:`Channel.send`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Callable
 from shoal.agent.protocol import HEADER, MAX_FRAME_BYTES, FrameError, decode, encode
 
 OutputCallback = Callable[[str, str], None]
+ToolCallsCallback = Callable[[list], None]
 
 
 class ChannelClosed(Exception):
@@ -35,6 +40,7 @@ class Channel:
         self._reader = reader
         self._writer = writer
         self._next_id = 0
+        self._send_lock = asyncio.Lock()
 
     @classmethod
     async def open(cls, sock: socket.socket) -> "Channel":
@@ -53,19 +59,29 @@ class Channel:
         except FrameError as exc:
             raise ChannelCorrupt(str(exc)) from None
 
-    async def call(self, message: dict, on_output: OutputCallback) -> dict:
-        """Send one call and collect frames until its ``done``; output goes to ``on_output``."""
+    def next_call_id(self) -> int:
         self._next_id += 1
-        call_id = self._next_id
+        return self._next_id
+
+    async def send(self, message: dict) -> None:
         try:
-            frame = encode({**message, "id": call_id})
+            frame = encode(message)
         except FrameError as exc:
             raise CallTooLarge(str(exc)) from None
-        try:
-            self._writer.write(frame)
-            await self._writer.drain()
-        except (ConnectionError, RuntimeError) as exc:
-            raise ChannelClosed(str(exc)) from None
+        async with self._send_lock:
+            try:
+                self._writer.write(frame)
+                await self._writer.drain()
+            except (ConnectionError, RuntimeError) as exc:
+                raise ChannelClosed(str(exc)) from None
+
+    async def call(self, message: dict, on_output: OutputCallback,
+                   on_tool_calls: ToolCallsCallback | None = None,
+                   call_id: int | None = None) -> dict:
+        """Send one call and collect frames until its ``done``: output goes to
+        ``on_output``, the calls of inner tool stubs to ``on_tool_calls``."""
+        call_id = call_id if call_id is not None else self.next_call_id()
+        await self.send({**message, "id": call_id})
         while True:
             frame = await self.receive()
             if frame.get("id") != call_id:
@@ -75,6 +91,10 @@ class Channel:
                 stream, data = frame.get("stream"), frame.get("data")
                 if stream in ("stdout", "stderr") and isinstance(data, str):
                     on_output(stream, data)
+            elif kind == "tool_calls":
+                calls = frame.get("calls")
+                if on_tool_calls is not None and isinstance(calls, list):
+                    on_tool_calls(calls)
             elif kind == "done":
                 return frame
 

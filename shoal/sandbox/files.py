@@ -22,10 +22,12 @@ import stat
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-from .mounts import OUTPUTS, UPLOADS, WORKSPACE, SandboxHome
+from .mounts import EXTERNAL, OUTPUTS, UPLOADS, WORKSPACE, SandboxHome
 from .result import decode_file_id
 
 MAX_PATH_BYTES = 4096
+# Directories the code may read but never change: what the host puts there stays root's.
+_ROOT_OWNED = (UPLOADS, EXTERNAL)
 MAX_LISTED = 10_000
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -146,7 +148,7 @@ class SandboxFiles:
                         raise FileMissing(f"no such directory: {part}") from None
                     try:
                         os.mkdir(part, 0o755, dir_fd=fd)
-                        if mount != UPLOADS:
+                        if mount not in _ROOT_OWNED:
                             os.chown(part, self._uid, self._uid, dir_fd=fd, follow_symlinks=False)
                         next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
                     except OSError as exc:
@@ -248,7 +250,7 @@ class SandboxFiles:
                         if written > self._max_file_bytes:
                             raise FileTooLarge(f"file is larger than {self._max_file_bytes} bytes")
                         target.write(chunk)
-                    if path.mount != UPLOADS:  # uploads stay root's: read-only to code
+                    if path.mount not in _ROOT_OWNED:  # read-only to code
                         os.fchown(target.fileno(), self._uid, self._uid)
                 os.rename(temporary, path.parts[-1], src_dir_fd=directory, dst_dir_fd=directory)
             except BaseException:
@@ -268,6 +270,49 @@ class SandboxFiles:
         finally:
             os.close(directory)
         return written
+
+
+    # -- the host's own directories ------------------------------------------------
+    def link(self, source: SandboxPath, target: SandboxPath) -> None:
+        """Hard-link a regular file to a second name (same volume); never through a link."""
+        source_dir = self._open_dir(source.mount, source.parts[:-1])
+        try:
+            info = os.stat(source.parts[-1], dir_fd=source_dir, follow_symlinks=False)
+            if not stat.S_ISREG(info.st_mode):
+                raise FileAccessError(f"{source.relative} is not a regular file")
+            if info.st_size > self._max_file_bytes:
+                raise FileTooLarge(f"{source.relative} is larger than {self._max_file_bytes} bytes")
+            target_dir = self._open_dir(target.mount, target.parts[:-1], create=True)
+            try:
+                os.link(source.parts[-1], target.parts[-1], src_dir_fd=source_dir,
+                        dst_dir_fd=target_dir, follow_symlinks=False)
+            except OSError as exc:
+                raise _refusal(exc, target.relative) from None
+            finally:
+                os.close(target_dir)
+        except FileNotFoundError:
+            raise FileMissing(f"no such file: {source.relative}") from None
+        finally:
+            os.close(source_dir)
+
+    def clear(self, mount: str) -> None:
+        """Empty one of the host-owned directories (only the host ever writes there)."""
+        if mount not in _ROOT_OWNED:
+            raise PathOutside(f"{mount} is not a host-owned directory")
+        _remove_contents(self._open_dir(mount, ()))
+
+
+def _remove_contents(directory_fd: int) -> None:
+    """Remove everything below a directory, by fd, never following a link; closes the fd."""
+    try:
+        for entry in os.scandir(directory_fd):
+            if entry.is_dir(follow_symlinks=False):
+                _remove_contents(os.open(entry.name, _DIR_FLAGS, dir_fd=directory_fd))
+                os.rmdir(entry.name, dir_fd=directory_fd)
+            else:
+                os.unlink(entry.name, dir_fd=directory_fd)
+    finally:
+        os.close(directory_fd)
 
 
 def _walk(directory_fd: int, prefix: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], os.stat_result]]:

@@ -15,6 +15,11 @@ from pathlib import Path
 WORKSPACE = "/home/agent/workspace"
 UPLOADS = "/mnt/user-data/uploads"
 OUTPUTS = "/mnt/user-data/outputs"
+# A run's view of its container's files (``./external-files`` links here), read-only;
+# beside the workspace rather than in /mnt/user-data, whose layout is Zylon's.
+EXTERNAL = "/home/agent/.external-files"
+# OpenAI's code interpreter writes to /mnt/data: there it is the outputs directory.
+OPENAI_DATA = "/mnt/data"
 SKILLS = "/mnt/skills"
 RUNTIME = "/opt/shoal/runtime"
 AGENT_ROOT = "/opt/shoal/agent"
@@ -70,10 +75,14 @@ class SandboxHome:
     def etc(self) -> Path:
         return self.root / "etc"
 
+    @property
+    def external(self) -> Path:
+        return self.root / "external"
+
     def host_path_of(self, sandbox_dir: str) -> Path | None:
         """The host directory mounted at a sandbox directory, if it is one of ours."""
         return {WORKSPACE: self.workspace, OUTPUTS: self.outputs,
-                UPLOADS: self.uploads}.get(sandbox_dir)
+                UPLOADS: self.uploads, EXTERNAL: self.external}.get(sandbox_dir)
 
     def create(self, uid: int) -> None:
         """Lay out the directories for a sandbox running as ``uid``; idempotent."""
@@ -83,6 +92,7 @@ class SandboxHome:
             directory.mkdir(mode=0o700, exist_ok=True)
             os.chown(directory, uid, uid)
         self.uploads.mkdir(mode=0o755, exist_ok=True)
+        self.external.mkdir(mode=0o755, exist_ok=True)
         self.etc.mkdir(mode=0o755, exist_ok=True)
         (self.etc / "passwd").write_text(
             "root:x:0:0:root:/root:/usr/sbin/nologin\n"
@@ -123,6 +133,7 @@ def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,
         "--symlink", "usr/lib64", "/lib64",
         "--symlink", "usr/bin", "/bin",
         "--symlink", "usr/sbin", "/sbin",
+        "--symlink", OUTPUTS, OPENAI_DATA,
         "--proc", "/proc",
         "--dev", "/dev",
         "--size", str(tmp_size_bytes), "--tmpfs", "/tmp",
@@ -139,6 +150,7 @@ def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,
         "--bind", str(home.workspace), WORKSPACE,
         "--ro-bind", str(home.uploads), UPLOADS,
         "--bind", str(home.outputs), OUTPUTS,
+        "--ro-bind", str(home.external), EXTERNAL,
     ]
     args += ["--ro-bind", str(skills), SKILLS] if skills is not None else ["--dir", SKILLS]
     args += [

@@ -183,7 +183,8 @@ class SandboxPool:
         os.chmod(self.settings.run_dir, 0o711)
         package.mkdir(parents=True, mode=0o755)
         os.chmod(self._agent_dir, 0o755)
-        for source in AGENT_SOURCE.glob("*.py"):
+        for source in (*AGENT_SOURCE.glob("*.py"), *AGENT_SOURCE.glob("*.js"),
+                       *AGENT_SOURCE.glob("*.toml")):
             target = package / source.name
             shutil.copyfile(source, target)
             os.chmod(target, 0o644)

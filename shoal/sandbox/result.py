@@ -50,6 +50,10 @@ class ExecResult:
     editor: dict | None = None
     # The sandbox had to be restarted: interpreter state from before is gone.
     restarted: bool = False
+    # The call was cancelled by its client before it finished.
+    cancelled: bool = False
+    # How many inner tool calls the code made.
+    tool_calls: int = 0
 
     @property
     def timed_out(self) -> bool:

@@ -3,22 +3,33 @@
 The venv is built on Debian's ``/usr/bin/python3`` because the sandbox uid must
 be able to read the interpreter: a pyenv Python under root's 0700 home cannot be
 bound into a sandbox. It lives outside the checkout, under a key derived from
-the pinned list and the interpreter's version, so a new checkout reuses it and
+the pinned lists and the interpreter's version, so a new checkout reuses it and
 a changed list builds a new one beside the old.
+
+Bun (the JavaScript runtime) is part of the same build: the pinned npm package
+for this CPU, fetched with ``npm pack``, checked against the pinned digests and
+installed as ``bin/bun`` of the venv. A build that cannot verify it fails; the
+server never runs an unverified binary.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 REQUIREMENTS = PROJECT_ROOT / "runtime" / "requirements.txt"
+BUN_PINS = PROJECT_ROOT / "runtime" / "bun.txt"
 BASE_PYTHON = Path("/usr/bin/python3")
 _COMPLETE_MARKER = ".shoal-runtime-complete"
 
@@ -36,8 +47,59 @@ def _base_python_version() -> str:
 
 def runtime_key(requirements: Path = REQUIREMENTS) -> str:
     digest = hashlib.sha256(requirements.read_bytes())
+    digest.update(BUN_PINS.read_bytes())
     digest.update(_base_python_version().encode())
     return digest.hexdigest()[:16]
+
+
+class BunPin:
+    """The pinned Bun package for one CPU, and the digests it must match."""
+
+    def __init__(self, package: str, integrity: str, binary_sha256: str) -> None:
+        self.package = package
+        self.integrity = integrity
+        self.binary_sha256 = binary_sha256
+
+
+def bun_pin(machine: str | None = None, pins: Path = BUN_PINS) -> BunPin:
+    machine = machine or platform.machine()
+    for line in pins.read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 4 and not line.startswith("#") and fields[0] == machine:
+            return BunPin(*fields[1:])
+    raise RuntimeError(f"runtime: no Bun is pinned for this CPU ({machine}) in {pins}")
+
+
+def install_bun(target: Path, say: Callable[[str], None]) -> None:
+    """Fetch, verify and install the pinned Bun as ``target/bin/bun``."""
+    pin = bun_pin()
+    npm = shutil.which("npm")
+    if npm is None:
+        raise RuntimeError("runtime: npm is needed to fetch Bun: apt-get install npm")
+    say(f"runtime: fetching {pin.package} (JavaScript)")
+    with tempfile.TemporaryDirectory() as scratch:
+        packed = subprocess.run([npm, "pack", pin.package, "--json", "--silent",
+                                 "--pack-destination", scratch],
+                                capture_output=True, text=True, cwd=scratch)
+        if packed.returncode != 0:
+            raise RuntimeError(f"runtime: npm pack {pin.package} failed: "
+                               f"{packed.stderr.strip()[-2000:]}")
+        tarball = Path(scratch) / json.loads(packed.stdout)[0]["filename"]
+        algorithm, _, expected = pin.integrity.partition("-")
+        actual = base64.b64encode(hashlib.new(algorithm, tarball.read_bytes()).digest()).decode()
+        if actual != expected:
+            raise RuntimeError(f"runtime: {tarball.name} does not match its pinned {algorithm}")
+        with tarfile.open(tarball) as archive:
+            member = archive.getmember("package/bin/bun")
+            source = archive.extractfile(member)
+            assert source is not None
+            binary = source.read()
+        if hashlib.sha256(binary).hexdigest() != pin.binary_sha256:
+            raise RuntimeError("runtime: bin/bun does not match its pinned sha256")
+    destination = target / "bin" / "bun"
+    destination.write_bytes(binary)
+    os.chmod(destination, 0o755)
+    say(f"runtime: Bun installed ({len(binary) // (1024 * 1024)} MiB)")
 
 
 def find_runtime(cache_dir: Path, requirements: Path = REQUIREMENTS) -> Path:
@@ -81,6 +143,7 @@ def build_runtime(cache_dir: Path, requirements: Path = REQUIREMENTS,
             say("runtime: installing (this takes a minute)")
     if process.wait() != 0:
         raise RuntimeError("runtime: pip failed:\n" + "\n".join(tail))
+    install_bun(building, say)
     # The sandbox runs as an unprivileged uid: everything must be world-readable.
     subprocess.run(["chmod", "-R", "a+rX", str(building)], check=True)
     (building / _COMPLETE_MARKER).write_text(requirements.read_text())

@@ -19,6 +19,7 @@ from .files import SandboxFiles
 from .launcher import stop_process_tree
 from .mounts import OUTPUTS, WORKSPACE, SandboxHome
 from .result import ExecResult, Limit, ProducedFile
+from .toolcalls import StubSpec, ToolExchange, ToolHandler
 
 if TYPE_CHECKING:
     from .pool import SandboxPool
@@ -28,6 +29,8 @@ log = logging.getLogger("shoal.sandbox")
 # How long past its own timeout a call may take before the host stops waiting
 # for the agent and destroys the sandbox's processes.
 BACKSTOP_SECONDS = 3.0
+# How long a cancelled call may take to stop by itself before its processes are killed.
+CANCEL_GRACE_SECONDS = 2.0
 # A failed call on a volume with less room than this ran out of disk (the last
 # few blocks are too fragmented to fill exactly).
 _DISK_NEARLY_FULL = 256 * 1024
@@ -69,6 +72,17 @@ class _Collector:
         return text
 
 
+class _Running:
+    """The call in progress: its id on the channel, its tool traffic, whether it was cancelled."""
+
+    __slots__ = ("call_id", "exchange", "cancelled")
+
+    def __init__(self, call_id: int, exchange: ToolExchange) -> None:
+        self.call_id = call_id
+        self.exchange = exchange
+        self.cancelled = False
+
+
 class Sandbox:
     def __init__(self, pool: "SandboxPool", name: str, uid: int, home: SandboxHome,
                  cgroup, process) -> None:
@@ -84,24 +98,50 @@ class Sandbox:
         self.release_home: Callable[[], None] = lambda: None
         self._oom_seen = cgroup.oom_kills()
         self._pids_seen = cgroup.pids_limit_hits()
+        self._running: _Running | None = None
 
     # -- the public calls -----------------------------------------------------
     async def run_python(self, code: str, timeout: float | None = None,
-                         on_output: OutputCallback | None = None) -> ExecResult:
-        return await self._call({"op": "python", "code": code}, timeout, on_output)
+                         on_output: OutputCallback | None = None, *,
+                         stubs: StubSpec | None = None, tools: ToolHandler | None = None,
+                         external_files: bool = False) -> ExecResult:
+        """Run a cell in the persistent interpreter. ``stubs`` are tool stubs the
+        code may call; ``tools`` decides and answers those calls."""
+        return await self._call({"op": "python", "code": code}, timeout, on_output,
+                                stubs, tools, external_files)
 
     async def run_bash(self, command: str, timeout: float | None = None,
                        on_output: OutputCallback | None = None) -> ExecResult:
         return await self._call({"op": "bash", "command": command}, timeout, on_output)
 
     async def run_javascript(self, code: str, timeout: float | None = None,
-                             on_output: OutputCallback | None = None) -> ExecResult:
-        return await self._call({"op": "javascript", "code": code}, timeout, on_output)
+                             on_output: OutputCallback | None = None, *,
+                             stubs: StubSpec | None = None, tools: ToolHandler | None = None,
+                             external_files: bool = False) -> ExecResult:
+        """Run a script on Bun, in a process of its own (no state between calls)."""
+        return await self._call({"op": "javascript", "code": code}, timeout, on_output,
+                                stubs, tools, external_files)
 
     async def edit(self, request: dict, timeout: float | None = None) -> ExecResult:
         """Run one text-editor command (``view``, ``create``, ``str_replace``, ``insert``,
         ``undo_edit``) with Anthropic's field names."""
         return await self._call({"op": "edit", "request": request}, timeout, None)
+
+    async def cancel(self) -> bool:
+        """Stop the call in progress: interrupted at once, its processes killed if it
+        does not stop within a grace period. False if no call was running."""
+        running = self._running
+        if running is None or running.cancelled:
+            return False
+        running.cancelled = True
+        try:
+            await self._process.channel.send({"op": "cancel", "id": running.call_id})
+        except Exception:  # noqa: BLE001 - a dead channel ends the call anyway
+            pass
+        if running.exchange.scope is not None and not running.exchange.scope.expired():
+            running.exchange.scope.reschedule(
+                asyncio.get_running_loop().time() + CANCEL_GRACE_SECONDS)
+        return True
 
     async def restart(self) -> None:
         """Fresh processes on the same files: interpreter state is gone, files stay."""
@@ -123,26 +163,42 @@ class Sandbox:
 
     # -- internals ----------------------------------------------------------------
     async def _call(self, message: dict, timeout: float | None,
-                    on_output: OutputCallback | None) -> ExecResult:
+                    on_output: OutputCallback | None, stubs: StubSpec | None = None,
+                    tools: ToolHandler | None = None, external_files: bool = False) -> ExecResult:
         settings = self._pool.settings
         # min() before float(): an absurd integer timeout must clamp, not overflow.
         requested = float(min(timeout, 10**9)) if timeout is not None else float(
             settings.default_timeout_seconds)
         limit = min(requested, float(settings.max_timeout_seconds))
         message = {**message, "timeout": limit, "cap": settings.output_cap_bytes}
+        if stubs is not None and stubs.tools:
+            message.update(stubs.message_fields())
+        if tools is not None:
+            message["tool_wait"] = tools.wait_limit
+        if external_files:
+            message["external_files"] = True
         collector = _Collector(settings.output_cap_bytes, on_output)
         async with self._lock:
             if self._closed:
                 raise SandboxClosed(f"sandbox {self.name} is closed")
             started = time.perf_counter()
+            channel = self._process.channel
+            call_id = channel.next_call_id()
+            running = _Running(call_id, ToolExchange(channel.send, call_id, tools))
+            self._running = running
             try:
-                done = await asyncio.wait_for(
-                    self._process.channel.call(message, collector.add), limit + BACKSTOP_SECONDS)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(limit + BACKSTOP_SECONDS) as scope:
+                    running.exchange.scope = scope
+                    done = await channel.call(message, collector.add, running.exchange.on_batch,
+                                              call_id=call_id)
+            except TimeoutError:
                 self._raise_if_closed()
-                result = self._result({"return_code": 124, "timed_out": True}, collector)
+                if running.cancelled:
+                    result = self._result({"return_code": 137}, collector)
+                else:
+                    result = self._result({"return_code": 124, "timed_out": True}, collector)
+                    self._notice_limits(result)
                 result.restarted = True
-                self._notice_limits(result)
                 await self._restart_locked()
             except ChannelClosed:  # also ChannelCorrupt: a garbled channel is a dead one
                 self._raise_if_closed()
@@ -150,8 +206,13 @@ class Sandbox:
                 await self._restart_locked()
             else:
                 result = self._result(done, collector)
-                if result.return_code != 0:
+                if result.return_code != 0 and not running.cancelled:
                     self._notice_limits(result)
+            finally:
+                self._running = None
+                running.exchange.close()
+            result.cancelled = running.cancelled
+            result.tool_calls = running.exchange.made
             result.execution_time_ms = int((time.perf_counter() - started) * 1000)
         if result.timed_out:
             note = ""

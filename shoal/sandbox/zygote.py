@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 from . import seccomp
-from .mounts import AGENT_ROOT, OUTPUTS, RUNTIME, SANDBOX_ENV, SKILLS, UPLOADS, WORKSPACE, SandboxHome
+from .mounts import (AGENT_ROOT, EXTERNAL, OPENAI_DATA, OUTPUTS, RUNTIME, SANDBOX_ENV, SKILLS, UPLOADS,
+                     WORKSPACE, SandboxHome)
 from .mounts import etc_entries
 
 READY_TIMEOUT_SECONDS = 120.0
@@ -150,6 +151,7 @@ def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], skills: Pat
         ("@home/workspace", WORKSPACE, True),
         ("@home/uploads", UPLOADS, False),
         ("@home/outputs", OUTPUTS, True),
+        ("@home/external", EXTERNAL, False),
     ]
     directories = []
     if skills is not None:
@@ -161,7 +163,7 @@ def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], skills: Pat
         "uid": uid,
         "binds": binds,
         "symlinks": [("/lib", "usr/lib"), ("/lib64", "usr/lib64"), ("/bin", "usr/bin"),
-                     ("/sbin", "usr/sbin")],
+                     ("/sbin", "usr/sbin"), (OPENAI_DATA, OUTPUTS)],
         "directories": directories,
         "cgroup_procs": cgroup_procs,
         "tmp_size": tmp_size_bytes,

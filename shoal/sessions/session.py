@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from shoal.sandbox import ExecResult, FileEntry, Sandbox, SandboxPath, parse_path
+from shoal.sandbox import (ExecResult, FileEntry, OutputCallback, Sandbox, SandboxPath, StubSpec,
+                           ToolHandler, parse_path)
 from shoal.storage import ContainerRecord
 
 TOOLS = ("python", "bash", "edit", "javascript")
@@ -46,12 +47,19 @@ class Session:
             return True
         return self.active_calls == 0 and now - self.last_activity_at >= self.idle_timeout_seconds
 
-    async def run(self, tool: str, payload: dict, timeout: float | None) -> ExecResult:
-        """Run one call: ``tool`` is python, bash, javascript or edit."""
+    # Inner tool stubs registered for every call of this session (the reference
+    # backend's programmatic tools), and who answers them.
+    stubs: StubSpec | None = None
+    tools: ToolHandler | None = None
+
+    async def run(self, tool: str, payload: dict, timeout: float | None,
+                  on_output: OutputCallback | None = None) -> ExecResult:
+        """Run one call: ``tool`` is python, bash, javascript or edit; output is
+        streamed to ``on_output`` as it is produced."""
         self.active_calls += 1
         self.touch()
         try:
-            result = await self._dispatch(tool, payload, timeout)
+            result = await self._dispatch(tool, payload, timeout, on_output)
         finally:
             self.active_calls -= 1
             self.touch()
@@ -62,13 +70,15 @@ class Session:
             await self.on_activity(self)
         return result
 
-    async def _dispatch(self, tool: str, payload: dict, timeout: float | None) -> ExecResult:
+    async def _dispatch(self, tool: str, payload: dict, timeout: float | None,
+                        on_output: OutputCallback | None) -> ExecResult:
         if tool == "python":
-            return await self.sandbox.run_python(payload["code"], timeout)
+            return await self.sandbox.run_python(payload["code"], timeout, on_output,
+                                                 stubs=self.stubs, tools=self.tools)
         if tool == "bash":
-            return await self.sandbox.run_bash(payload["command"], timeout)
+            return await self.sandbox.run_bash(payload["command"], timeout, on_output)
         if tool == "javascript":
-            return await self.sandbox.run_javascript(payload["code"], timeout)
+            return await self.sandbox.run_javascript(payload["code"], timeout, on_output)
         if tool == "edit":
             return await self.sandbox.edit(payload, timeout)
         raise ValueError(f"unknown tool {tool!r}")
