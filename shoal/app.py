@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
+import httpx
 from fastapi import FastAPI
 
 from . import __version__
-from .api import containers, errors, files, observability, protocol_v1
+from .api import containers, errors, files, observability, protocol_v1, runs
 from .api.auth import TokenTable
 from .config import Settings
+from .runs import RunManager
 from .sessions import SessionManager
 
 log = logging.getLogger("shoal")
@@ -20,21 +22,29 @@ log = logging.getLogger("shoal")
 def create_app(settings: Settings, manager: SessionManager | None = None) -> FastAPI:
     tokens = TokenTable.parse(settings.tokens)
     manager = manager or SessionManager(settings)
+    run_manager = RunManager(settings, manager)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await manager.start()
+        await run_manager.start_reaper()
+        # Outbound calls the host makes for tools (never for the sandbox): no
+        # redirects, so an allowed host cannot bounce a call elsewhere.
+        app.state.http_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
         if not tokens.enabled:
             log.warning("no tokens configured: every client that can reach %s:%s may run code; "
                         "set SHOAL_TOKENS to require bearer tokens", settings.host, settings.port)
         yield
+        await run_manager.close()
         await manager.close()
+        await app.state.http_client.aclose()
 
     app = FastAPI(title="Shoal", version=__version__, lifespan=lifespan,
                   summary="Isolated, stateful code execution for LLM gateways",
                   docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.manager = manager
+    app.state.runs = run_manager
     app.state.tokens = tokens
     app.state.metrics = observability.Metrics(manager)
     errors.install(app)
@@ -42,6 +52,8 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     app.include_router(protocol_v1.router)
     app.include_router(files.router)
     app.include_router(containers.router)
+    app.include_router(runs.router)
     app.add_middleware(errors.ShutdownGuard)
     app.add_middleware(observability.AccessLog)
+    app.add_middleware(observability.RequestIds)
     return app

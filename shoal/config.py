@@ -54,6 +54,16 @@ class Settings(BaseSettings):
     output_cap_bytes: int = Field(1 * MiB, ge=1024, description="Cap on each output stream.")
     max_file_bytes: int = Field(50 * MiB, ge=1, description="Largest file accepted or served.")
 
+    # -- runs and inner tool calls -------------------------------------------------
+    run_retention_seconds: int = Field(86400, ge=60, description="How long a finished run's "
+                                       "record stays readable (GET /v1/code-execution/runs/ID).")
+    tool_wait_seconds: float = Field(300.0, gt=0, description="How long code waits for the "
+                                     "result of one inner tool call before the call fails; "
+                                     "this wait does not count against the run's timeout.")
+    callback_allow: str = Field("", description="Hosts the server may POST programmatic tool "
+                                "calls to: 'host', 'host:port', '*.suffix' or a CIDR, "
+                                "comma-separated. Empty: no callbacks.")
+
     # -- the sandbox -----------------------------------------------------------
     launcher: str = Field("bwrap", pattern="^(bwrap|zygote)$",
                           description="How sandboxes start: 'bwrap' (a bubblewrap process "

@@ -5,15 +5,18 @@ created, listed with cursor pagination, retrieved and deleted; their files are
 uploaded (multipart) or attached from the tenant's Files API by id, listed,
 read and deleted. Uploaded and attached files land in
 ``/mnt/user-data/uploads/``, read-only to the code; files the code writes to
-``/mnt/user-data/outputs/`` appear here as ``source: assistant``.
+``/mnt/data/`` (the outputs directory, ``/mnt/user-data/outputs/``) appear here
+as ``source: assistant``. Ids and paths follow OpenAI's conventions: ``cfile_…``
+ids, and outputs under ``/mnt/data/``.
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
+from shoal.runs import public_file_id
 from shoal.sandbox.files import SandboxPath
-from shoal.sandbox.mounts import UPLOADS
+from shoal.sandbox.mounts import OPENAI_DATA, OUTPUTS, UPLOADS
 from shoal.sessions import ContainerFile, SessionManager
 from shoal.storage import ContainerRecord
 
@@ -48,14 +51,27 @@ def render_container(record: ContainerRecord) -> dict:
     }
 
 
+def openai_path(sandbox_path: str) -> str:
+    """Outputs as the code interpreter names them (``/mnt/data`` is the outputs
+    directory inside every sandbox); anything else by its own sandbox path."""
+    if sandbox_path.startswith(OUTPUTS + "/"):
+        return OPENAI_DATA + sandbox_path[len(OUTPUTS):]
+    return sandbox_path
+
+
+def file_id_of(public_id: str) -> str:
+    """The file store's id behind an OpenAI ``cfile_…`` id (the bare id works too)."""
+    return public_id[len("cfile_"):] if public_id.startswith("cfile_") else public_id
+
+
 def render_file(item: ContainerFile, container_id: str) -> dict:
     return {
-        "id": item.id,
+        "id": public_file_id(item),
         "object": "container.file",
         "created_at": int(item.record.created_at),
         "bytes": item.record.size,
         "container_id": container_id,
-        "path": item.path,
+        "path": openai_path(item.path),
         "source": item.record.source,
     }
 
@@ -134,9 +150,7 @@ async def delete_container(container_id: str, request: Request,
 async def _attach_upload(manager: SessionManager, tenant: str, record: ContainerRecord,
                          file_id: str) -> ContainerFile:
     upload, handle, _ = await manager.uploads.open(tenant, file_id)
-    with handle:
-        return await manager.container_files.put(record, SandboxPath(UPLOADS, (upload.filename,)),
-                                                 handle)
+    return await manager.container_files.attach_upload(record, upload, handle)
 
 
 @router.post("/{container_id}/files", summary="Upload or attach a file")
@@ -169,7 +183,7 @@ async def list_files(container_id: str, request: Request, limit: int = Query(20)
     manager = _manager(request)
     record = await manager.containers.get(tenant, container_id)
     items = _ordered(await manager.container_files.list(record), order)
-    page = paginate(items, lambda item: item.id, limit, after)
+    page = paginate(items, public_file_id, limit, after and "cfile_" + file_id_of(after))
     return json_response(_list_body([render_file(i, container_id) for i in page.items],
                                     page.has_more))
 
@@ -179,7 +193,8 @@ async def get_file(container_id: str, file_id: str, request: Request,
                    tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
     record = await manager.containers.get(tenant, container_id)
-    return json_response(render_file(await manager.container_files.get(record, file_id), container_id))
+    return json_response(render_file(await manager.container_files.get(record, file_id_of(file_id)),
+                                     container_id))
 
 
 @router.get("/{container_id}/files/{file_id}/content", summary="Download a container file")
@@ -187,7 +202,7 @@ async def get_file_content(container_id: str, file_id: str, request: Request,
                            tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
     record = await manager.containers.get(tenant, container_id)
-    item, handle, size = await manager.container_files.open(record, file_id)
+    item, handle, size = await manager.container_files.open(record, file_id_of(file_id))
     return await file_response(handle, size, item.filename, item.mime_type)
 
 
@@ -196,5 +211,6 @@ async def delete_file(container_id: str, file_id: str, request: Request,
                       tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
     record = await manager.containers.get(tenant, container_id)
-    item = await manager.container_files.delete(record, file_id)
-    return json_response({"id": item.id, "object": "container.file.deleted", "deleted": True})
+    item = await manager.container_files.delete(record, file_id_of(file_id))
+    return json_response({"id": public_file_id(item), "object": "container.file.deleted",
+                          "deleted": True})

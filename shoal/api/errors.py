@@ -1,8 +1,19 @@
-"""Every error leaves as JSON ``{"detail": ...}`` with the status that fits it.
+"""Every error leaves in its dialect's own shape, with the status that fits it.
 
 Domain errors from the layers below are mapped here, once, so no router has to
 remember that an unknown session is a 404 or a full house a 503; anything not
 mapped is a bug, logged with its traceback and answered with a bare 500.
+
+Which shape an error takes is decided by the request, not by the error:
+
+- protocol v1 and Zylon's Files API (``scope_id``): ``{"detail": ...}``;
+- OpenAI's dialect (``/v1/responses``, ``/v1/containers``, the runs API, the
+  tenant Files API): ``{"error": {"message", "type", "param", "code"}}``;
+- Anthropic's (``/v1/messages``, and the Files API when the client sends
+  ``anthropic-version``): ``{"type": "error", "error": {"type", "message"}}``.
+
+Every body also carries the request id, which the response echoes in
+``x-request-id`` and ``request-id``.
 """
 
 from __future__ import annotations
@@ -11,20 +22,38 @@ import asyncio
 import logging
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from shoal.runs import CallbackNotAllowed, InvalidTools, RunConflict, UnknownRun, UnknownToolCall
 from shoal.sandbox.launcher import LaunchFailed
 from shoal.sessions import (AtCapacity, CallTooLarge, FileAccessError, InvalidContainer, SandboxClosed,
                             UnknownContainer, UnknownSession)
 
 log = logging.getLogger("shoal.api")
 
+PROTOCOL, OPENAI, ANTHROPIC = "protocol", "openai", "anthropic"
+_OPENAI_PREFIXES = ("/v1/responses", "/v1/containers", "/v1/code-execution", "/v1/runtime")
+_ANTHROPIC_PREFIXES = ("/v1/messages",)
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                 403: "permission_error", 404: "invalid_request_error", 409: "conflict_error",
+                 413: "invalid_request_error", 422: "invalid_request_error",
+                 429: "rate_limit_error", 503: "server_error", 507: "insufficient_storage"}
+_OPENAI_CODES = {401: "invalid_api_key", 404: "not_found", 409: "conflict",
+                 413: "request_too_large", 429: "rate_limit_exceeded", 503: "service_unavailable",
+                 507: "quota_exceeded"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+                    413: "request_too_large", 422: "invalid_request_error",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                    507: "invalid_request_error", 529: "overloaded_error"}
+
 
 class ErrorBody(BaseModel):
-    """Every error's body: what went wrong, as text or as a list of problems."""
+    """Every protocol error's body: what went wrong, as text or as a list of problems."""
 
     detail: str | list | dict
 
@@ -40,19 +69,74 @@ ERROR_RESPONSES = {status: {"model": ErrorBody, "description": description} for 
 class BadRequest(Exception):
     """A request the server understood but refuses; carries its status."""
 
-    def __init__(self, status: int, detail: object) -> None:
+    def __init__(self, status: int, detail: object, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(str(detail))
         self.status = status
         self.detail = detail
+        self.param = param
+        self.code = code
 
 
-def error_response(status: int, detail: object, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+def dialect_of(request: Request) -> str:
+    path = request.url.path
+    for prefix in ("/api/gpt", ""):  # Zylon's prefix is an alias of the same routes
+        if path.startswith(prefix + "/"):
+            rest = path[len(prefix):]
+            if rest.startswith(_ANTHROPIC_PREFIXES):
+                return ANTHROPIC
+            if rest.startswith(_OPENAI_PREFIXES):
+                return OPENAI
+            if rest.startswith("/v1/files"):
+                if "scope_id" in request.query_params:
+                    return PROTOCOL
+                return ANTHROPIC if "anthropic-version" in request.headers else OPENAI
+    return PROTOCOL
+
+
+def _message(detail: object) -> str:
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list):
+        return "; ".join(f"{'.'.join(map(str, d.get('loc', ())))}: {d.get('msg', d)}"
+                         if isinstance(d, dict) else str(d) for d in detail)
+    return str(detail)
+
+
+def error_body(dialect: str, status: int, detail: object, request_id: str | None = None,
+               param: str | None = None, code: str | None = None) -> dict:
+    if dialect == OPENAI:
+        body = {"error": {"message": _message(detail),
+                          "type": _OPENAI_TYPES.get(status, "server_error"),
+                          "param": param, "code": code or _OPENAI_CODES.get(status)}}
+    elif dialect == ANTHROPIC:
+        body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
+                                           "message": _message(detail)}}
+    else:
+        body = {"detail": detail}
+    if request_id:
+        body["request_id"] = request_id
+    return body
+
+
+def request_id_of(request: Request) -> str | None:
+    return request.scope.get("state", {}).get("request_id")
+
+
+def error_response(request: Request | None, status: int, detail: object,
+                   headers: dict | None = None, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    dialect = dialect_of(request) if request is not None else PROTOCOL
+    request_id = request_id_of(request) if request is not None else None
+    if status == 503 or status == 429:
+        headers = {"Retry-After": "1", **(headers or {})}
+    return JSONResponse(error_body(dialect, status, detail, request_id, param, code),
+                        status_code=status, headers=headers)
 
 
 class ShutdownGuard:
     """ASGI middleware: a call still running when the shutdown grace period ends
-    is cancelled by the server; it gets a JSON 503, not a bare 500."""
+    is cancelled by the server; it gets a 503 in its dialect, not a bare 500."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -74,59 +158,59 @@ class ShutdownGuard:
         except asyncio.CancelledError:
             if started:
                 raise
-            response = error_response(503, "the server is shutting down; the call was stopped")
+            response = error_response(Request(scope), 503,
+                                      "the server is shutting down; the call was stopped")
             await response(scope, receive, send)
 
 
 def install(app: FastAPI) -> None:
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException):
-        return error_response(exc.status_code, exc.detail, getattr(exc, "headers", None))
+    def handler(exception: type, status: int | None = None, message: str | None = None):
+        def register(function=None):
+            async def render(request: Request, exc: Exception):
+                if function is not None:
+                    return function(request, exc)
+                return error_response(request, status, message or str(exc))
+            app.add_exception_handler(exception, render)
+            return function
+        return register
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
+    @handler(HTTPException)
+    def _http(request: Request, exc: HTTPException):
+        return error_response(request, exc.status_code, exc.detail, getattr(exc, "headers", None))
+
+    @handler(RequestValidationError)
+    def _validation(request: Request, exc: RequestValidationError):
         errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
                   for e in exc.errors()]
-        return error_response(422, errors)
+        param = ".".join(map(str, errors[0]["loc"][1:])) if errors and errors[0]["loc"] else None
+        return error_response(request, 422, errors, param=param or None)
 
-    @app.exception_handler(BadRequest)
-    async def _bad_request(request: Request, exc: BadRequest):
-        return error_response(exc.status, exc.detail)
+    @handler(BadRequest)
+    def _bad_request(request: Request, exc: BadRequest):
+        return error_response(request, exc.status, exc.detail, param=exc.param, code=exc.code)
 
-    @app.exception_handler(UnknownSession)
-    async def _unknown(request: Request, exc: UnknownSession):
-        return error_response(404, str(exc))
+    handler(UnknownSession, 404)()
+    handler(UnknownContainer, 404)()
+    handler(UnknownRun, 404)()
+    handler(UnknownToolCall, 404)()
+    handler(RunConflict, 409)()
+    handler(InvalidContainer, 422)()
+    handler(InvalidTools, 422)()
+    handler(CallbackNotAllowed, 403)()
+    handler(SandboxClosed, 404, "the session was released while the call ran")()
+    handler(CallTooLarge, 413, "the call's input is too large to run")()
+    handler(AtCapacity, 503)()
 
-    @app.exception_handler(UnknownContainer)
-    async def _unknown_container(request: Request, exc: UnknownContainer):
-        return error_response(404, str(exc))
-
-    @app.exception_handler(InvalidContainer)
-    async def _invalid_container(request: Request, exc: InvalidContainer):
-        return error_response(422, str(exc))
-
-    @app.exception_handler(SandboxClosed)
-    async def _closed(request: Request, exc: SandboxClosed):
-        return error_response(404, "the session was released while the call ran")
-
-    @app.exception_handler(CallTooLarge)
-    async def _too_large(request: Request, exc: CallTooLarge):
-        return error_response(413, "the call's input is too large to run")
-
-    @app.exception_handler(AtCapacity)
-    async def _capacity(request: Request, exc: AtCapacity):
-        return error_response(503, str(exc), {"Retry-After": "1"})
-
-    @app.exception_handler(LaunchFailed)
-    async def _launch(request: Request, exc: LaunchFailed):
+    @handler(LaunchFailed)
+    def _launch(request: Request, exc: LaunchFailed):
         log.error("sandbox launch failed: %s", exc)
-        return error_response(503, "no sandbox could be started; retry later")
+        return error_response(request, 503, "no sandbox could be started; retry later")
 
-    @app.exception_handler(FileAccessError)
-    async def _files(request: Request, exc: FileAccessError):
-        return error_response(exc.status, str(exc))
+    @handler(FileAccessError)
+    def _files(request: Request, exc: FileAccessError):
+        return error_response(request, exc.status, str(exc))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
+    @handler(Exception)
+    def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal error")
+        return error_response(request, 500, "internal error")

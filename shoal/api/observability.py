@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
 import time
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -87,3 +89,34 @@ class AccessLog:
                 "ms": round((time.perf_counter() - started) * 1000, 2),
                 "tenant": scope.get("state", {}).get("tenant"),
             }))
+
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class RequestIds:
+    """ASGI middleware: every request has an id (the client's ``X-Request-Id`` if it
+    gave a sane one, else a new one), kept in the request's state for logs and
+    error bodies and echoed as ``x-request-id`` (OpenAI's) and ``request-id``
+    (Anthropic's)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((value.decode("latin-1") for name, value in scope["headers"]
+                      if name == b"x-request-id"), "")
+        request_id = given if _REQUEST_ID.match(given) else "req_" + secrets.token_hex(12)
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = request_id.encode()
+
+        async def with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", header),
+                                      (b"request-id", header)]
+            await send(message)
+
+        await self.app(scope, receive, with_id)

@@ -5,15 +5,27 @@ Parses each request by the contract's own rules (an unknown tool kind is a
 command), runs it through the sessions layer and renders the internal result
 as the contract's envelope: ``{tool_use_id, result_block, execution_time_ms}``
 with a ``code_execution_result`` payload, never an error variant.
+
+Additive extensions, which a client that does not ask for them never sees:
+``input.language`` (``javascript`` runs on Bun), streaming (``Accept:
+text/event-stream`` on exec: ``output`` events, then one ``result`` event with
+the usual envelope), and the reference backend's programmatic tools.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import keyword
+import re
 import secrets
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
+from shoal.runs import CallbackTools, EventLog, HostAllowlist, check_callback_url
+from shoal.sandbox import StubSpec
 from shoal.sessions import ExecResult, Session, SessionManager, guess_mime_type
 
 from ._bodies import read_json_object
@@ -31,6 +43,9 @@ TOOL_KINDS = {
     "text_editor_code_execution": ("edit", "text_editor_code_execution_tool_result"),
 }
 EDITOR_COMMANDS = ("view", "create", "str_replace", "insert", "undo_edit")
+LANGUAGES = {"python": "python", "javascript": "javascript"}
+_PLATFORM_TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+PLATFORM_TOOLS_MODULE = "_platform_tools"
 
 
 _json = json_response
@@ -144,6 +159,10 @@ def parse_exec(body: dict) -> tuple[str, str, dict, int | None, str]:
         tool_use_id = "srvtoolu_" + secrets.token_hex(12)
     if tool == "python":
         _require_text(payload, "code", kind)
+        language = payload.get("language", "python")
+        if language not in LANGUAGES:
+            raise BadRequest(422, f"input.language must be one of {', '.join(LANGUAGES)}")
+        tool = LANGUAGES[language]
     elif tool == "bash":
         _require_text(payload, "command", kind)
     else:
@@ -210,9 +229,82 @@ def render_exec(kind: str, tool_use_id: str, result: ExecResult) -> dict:
 async def execute(session_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
     session = _manager(request).get(tenant, session_id)
     kind, tool, payload, timeout, tool_use_id = parse_exec(await read_json_object(request))
+    if "text/event-stream" in request.headers.get("accept", ""):
+        return _streamed_exec(request, session, kind, tool, payload, timeout, tool_use_id)
     result = await session.run(tool, payload, timeout)
     request.app.state.metrics.observe_exec(kind, result)
     return _json(render_exec(kind, tool_use_id, result))
+
+
+def _streamed_exec(request: Request, session: Session, kind: str, tool: str, payload: dict,
+                   timeout: int | None, tool_use_id: str) -> Response:
+    """The call runs on its own; the stream follows its events: ``output`` as it
+    prints, then ``result`` carrying exactly the envelope the JSON answer would.
+    A client that goes away stops nothing (the call's effects are the session's)."""
+    log = EventLog()
+    metrics = request.app.state.metrics
+
+    async def run() -> None:
+        try:
+            result = await session.run(
+                tool, payload, timeout,
+                lambda stream, text: log.append("output", {"stream": stream, "text": text}))
+            metrics.observe_exec(kind, result)
+            log.append("result", render_exec(kind, tool_use_id, result))
+        except Exception as exc:  # noqa: BLE001 - the stream says what happened
+            log.append("error", {"detail": str(exc) or type(exc).__name__})
+        finally:
+            log.close()
+
+    task = asyncio.create_task(run())
+
+    async def events():
+        async for event in log.follow(0):
+            yield ServerSentEvent(json.dumps(event.data, ensure_ascii=False), event=event.name,
+                                  id=str(event.id))
+        await task
+
+    return EventSourceResponse(events(), ping=15)
+
+
+# -- programmatic tools (the reference backend's) ---------------------------------------------
+@router.post("/sessions/{session_id}/programmatic-tools/register",
+             summary="Give the session's code stubs of tools the host calls back")
+async def register_programmatic_tools(session_id: str, request: Request,
+                                      tenant: str = Depends(tenant_of)) -> Response:
+    """``from _platform_tools import name``: each call is POSTed by the host to
+    ``callback_url`` (``{call_id, name, input}``, bearer ``token``), only to hosts
+    the operator allowed; the sandbox itself has no network."""
+    session = _manager(request).get(tenant, session_id)
+    body = await read_json_object(request)
+    url = check_callback_url(body.get("callback_url"), HostAllowlist(
+        request.app.state.settings.callback_allow))
+    token = body.get("token")
+    if not isinstance(token, str) or not token:
+        raise BadRequest(422, "token is required and must be a non-empty string")
+    timeout = body.get("timeout_seconds", 300)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 3600:
+        raise BadRequest(422, "timeout_seconds must be a number from 1 to 3600")
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise BadRequest(422, "tools must be a non-empty list of {name, doc}")
+    specs, names = [], set()
+    for tool in tools:
+        name = tool.get("name") if isinstance(tool, dict) else None
+        if (not isinstance(name, str) or not _PLATFORM_TOOL_NAME.match(name)
+                or keyword.iskeyword(name)):
+            raise BadRequest(422, f"tool name {name!r} is not a Python identifier")
+        if name in names:
+            raise BadRequest(422, f"tool name {name!r} is given twice")
+        names.add(name)
+        doc = tool.get("doc") or ""
+        if not isinstance(doc, str):
+            raise BadRequest(422, f"tool {name!r}: doc must be a string")
+        specs.append({"name": name, "description": doc, "parameters": {"type": "object"}})
+    session.stubs = StubSpec(specs, module=PLATFORM_TOOLS_MODULE)
+    session.tools = CallbackTools(sorted(names), url, token, float(timeout),
+                                  request.app.state.http_client)
+    return _json({"stub_path": PLATFORM_TOOLS_MODULE, "tool_count": len(specs)})
 
 
 # -- files ---------------------------------------------------------------------------------

@@ -14,15 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from shoal.sandbox import FileAccessError, FileMissing, guess_mime_type
+from shoal.sandbox import FileAccessError, FileMissing, ProducedFile, guess_mime_type
 from shoal.sandbox.files import FileEntry, SandboxPath, parse_path
-from shoal.sandbox.mounts import OUTPUTS, UPLOADS, WORKSPACE
+from shoal.sandbox.mounts import EXTERNAL, OUTPUTS, UPLOADS, WORKSPACE
 from shoal.sandbox.result import decode_file_id, encode_file_id
-from shoal.storage import ContainerRecord, FileRecord, MetadataStore
+from shoal.storage import ContainerRecord, FileRecord, MetadataStore, UploadRecord
+
+log = logging.getLogger("shoal.containers")
+# A run sees at most this many of its container's files, each at most the file
+# cap; keys nested deeper than this are not laid out (they stay in the container).
+EXTERNAL_FILES_PER_RUN = 50
+_EXTERNAL_DEPTH = 16
 
 from .containers import ContainerManager
 
@@ -171,6 +178,66 @@ class ContainerFiles:
         await asyncio.to_thread(self._containers.files_of(record).delete, parse_path(item.path))
         await self._metadata.delete_files(record.tenant, record.id, [item.path])
         return item
+
+    async def attach_upload(self, record: ContainerRecord, upload: UploadRecord,
+                            handle: BinaryIO) -> ContainerFile:
+        """A tenant's uploaded file, copied into the container's uploads."""
+        with handle:
+            return await self.put(record, SandboxPath(UPLOADS, (upload.filename,)), handle)
+
+    async def lay_out_external(self, record: ContainerRecord) -> int:
+        """Put the container's files where a run reads them (``./external-files``):
+        hard links in a read-only directory, at most 50, each within the file cap.
+        Anything left out is logged; returns how many were laid out."""
+        items = await self.list(record)
+        files = self._containers.files_of(record)
+
+        def lay_out() -> int:
+            files.clear(EXTERNAL)
+            laid = 0
+            for item in items:
+                source = parse_path(item.path)
+                key = item.key.split("/")
+                if laid >= EXTERNAL_FILES_PER_RUN or len(key) > _EXTERNAL_DEPTH:
+                    log.warning("container %s: %s not laid out in external-files (at most %d "
+                                "files per run, %d levels deep)", record.id, item.key,
+                                EXTERNAL_FILES_PER_RUN, _EXTERNAL_DEPTH)
+                    continue
+                try:
+                    files.link(source, SandboxPath(EXTERNAL, tuple(key)))
+                    laid += 1
+                except FileAccessError as exc:
+                    log.warning("container %s: %s not laid out in external-files: %s",
+                                record.id, item.key, exc)
+            return laid
+
+        return await asyncio.to_thread(lay_out)
+
+    async def keep_produced(self, record: ContainerRecord, produced: list[ProducedFile],
+                            limit: int) -> list[ContainerFile]:
+        """Make the files a run produced the container's: new files at the top of the
+        workspace are copied into outputs, files in outputs already are; at most
+        ``limit``, each within the file cap. What is dropped is logged."""
+        kept: list[ContainerFile] = []
+        files = self._containers.files_of(record)
+        for item in produced:
+            path = parse_path(item.path)
+            if len(kept) >= limit:
+                log.warning("container %s: produced file %s dropped (at most %d per run)",
+                            record.id, item.path, limit)
+                continue
+            try:
+                if path.mount == WORKSPACE and len(path.parts) == 1:
+                    handle, _ = await asyncio.to_thread(files.open_for_reading, path)
+                    with handle:
+                        kept.append(await self.put(record, SandboxPath(OUTPUTS, path.parts),
+                                                   handle, source_kind="assistant"))
+                elif path.mount == OUTPUTS:
+                    kept.append(await self.get(record, encode_file_id(path.sandbox_path)))
+            except FileAccessError as exc:
+                log.warning("container %s: produced file %s dropped: %s", record.id,
+                            item.path, exc)
+        return kept
 
     async def delete_prefix(self, record: ContainerRecord, prefix: str) -> int:
         doomed = [item for item in await self.list(record) if item.key.startswith(prefix)]

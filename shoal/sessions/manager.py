@@ -11,6 +11,7 @@ import asyncio
 import logging
 import secrets
 import time
+from typing import Callable
 
 from shoal.config import MiB, Settings
 from shoal.sandbox import SandboxPool
@@ -68,6 +69,26 @@ class SessionManager:
     def live(self) -> int:
         return len(self._sessions)
 
+    def _claim_slot(self) -> None:
+        settings = self.settings
+        if len(self._sessions) + self._reserved >= settings.max_sessions:
+            raise AtCapacity(f"all {settings.max_sessions} session slots are in use; "
+                             "retry after a session is released")
+        self._reserved += 1
+
+    def claim_slot(self) -> Callable[[], None]:
+        """Hold one of the live-sandbox slots (a run) until the returned function is
+        called; AtCapacity if none is free."""
+        self._claim_slot()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._reserved -= 1
+        return release
+
     def clamp(self, requested: int | None, default: int, ceiling: int) -> int:
         """A lifetime hint may be lowered to our ceiling, never raised above the hint."""
         if requested is None:
@@ -80,10 +101,7 @@ class SessionManager:
         """Lease a session; with ``container_id``, attached to that durable container
         (created if the id is new), else on an ephemeral sandbox of its own."""
         settings = self.settings
-        if len(self._sessions) + self._reserved >= settings.max_sessions:
-            raise AtCapacity(f"all {settings.max_sessions} session slots are in use; "
-                             "retry after a session is released")
-        self._reserved += 1
+        self._claim_slot()
         container = None
         restarted = False
         try:

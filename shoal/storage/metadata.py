@@ -59,6 +59,19 @@ class UploadRecord:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """A finished (or running) run, as kept for later reads: the record is its
+    dialect-neutral body, a JSON object."""
+
+    tenant: str
+    id: str
+    container_id: str | None
+    status: str
+    created_at: float
+    body: dict
+
+
 class MetadataStore(abc.ABC):
     @abc.abstractmethod
     async def open(self) -> None: ...
@@ -113,3 +126,15 @@ class MetadataStore(abc.ABC):
 
     @abc.abstractmethod
     async def delete_upload(self, tenant: str, upload_id: str) -> None: ...
+
+    # -- runs --------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def put_run(self, record: RunRecord) -> None:
+        """Insert or replace."""
+
+    @abc.abstractmethod
+    async def get_run(self, tenant: str, run_id: str) -> RunRecord | None: ...
+
+    @abc.abstractmethod
+    async def delete_runs_before(self, created_before: float) -> int:
+        """Forget runs of every tenant created before a time; how many were removed."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import aiosqlite
 
-from .metadata import ContainerRecord, FileRecord, MetadataStore, UploadRecord
+from .metadata import ContainerRecord, FileRecord, MetadataStore, RunRecord, UploadRecord
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS containers (
@@ -52,6 +52,16 @@ CREATE TABLE IF NOT EXISTS uploads (
     extra TEXT NOT NULL,
     PRIMARY KEY (tenant, id)
 );
+CREATE TABLE IF NOT EXISTS runs (
+    tenant TEXT NOT NULL,
+    id TEXT NOT NULL,
+    container_id TEXT,
+    status TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    body TEXT NOT NULL,
+    PRIMARY KEY (tenant, id)
+);
+CREATE INDEX IF NOT EXISTS runs_age ON runs (created_at);
 """
 
 _CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_after_minutes, "
@@ -200,3 +210,25 @@ class SqliteMetadataStore(MetadataStore):
 
     async def delete_upload(self, tenant: str, upload_id: str) -> None:
         await self._write("DELETE FROM uploads WHERE tenant = ? AND id = ?", (tenant, upload_id))
+
+    # -- runs --------------------------------------------------------------------------
+    async def put_run(self, record: RunRecord) -> None:
+        await self._write(
+            "INSERT OR REPLACE INTO runs (tenant, id, container_id, status, created_at, body) "
+            "VALUES (?,?,?,?,?,?)",
+            (record.tenant, record.id, record.container_id, record.status, record.created_at,
+             json.dumps(record.body, ensure_ascii=False)))
+
+    async def get_run(self, tenant: str, run_id: str) -> RunRecord | None:
+        rows = await self._rows("SELECT tenant, id, container_id, status, created_at, body "
+                                "FROM runs WHERE tenant = ? AND id = ?", (tenant, run_id))
+        if not rows:
+            return None
+        row = rows[0]
+        return RunRecord(tenant=row[0], id=row[1], container_id=row[2], status=row[3],
+                         created_at=row[4], body=json.loads(row[5]))
+
+    async def delete_runs_before(self, created_before: float) -> int:
+        cursor = await self.db.execute("DELETE FROM runs WHERE created_at < ?", (created_before,))
+        await self.db.commit()
+        return cursor.rowcount

@@ -98,7 +98,10 @@ def content_of(http: httpx.Client, scope: str, fid: str) -> bytes:
 def assert_error(response: httpx.Response, status: int) -> None:
     assert response.status_code == status, (response.status_code, response.text)
     if response.request.method != "HEAD":
-        detail = response.json()["detail"]
+        body = response.json()
+        # Zylon's Files API answers {"detail"}; the Containers API speaks OpenAI's {"error"}.
+        detail = body["detail"] if "/v1/containers" not in response.request.url.path else (
+            body["error"]["message"])
         assert detail, response.text
 
 

@@ -93,10 +93,10 @@ def test_create_with_file_ids_and_code_output_is_listed(client, server):
         assert result["result_block"]["content"]["return_code"] == 0
         http.delete(f"/sessions/{session['session_id']}")
     files = {f.path: f for f in client.containers.files.list(container.id)}
-    assert files["/mnt/user-data/outputs/square.txt"].source == "assistant"
+    assert files["/mnt/data/square.txt"].source == "assistant"
     assert files["/mnt/user-data/uploads/input.txt"].source == "user"
     square = client.containers.files.content.retrieve(
-        files["/mnt/user-data/outputs/square.txt"].id, container_id=container.id)
+        files["/mnt/data/square.txt"].id, container_id=container.id)
     assert square.read() == b"49"
     client.containers.delete(container.id)
 

@@ -1,0 +1,151 @@
+"""Caronte's direct run API (``/v1/code-execution/runs``): runs over SSE.
+
+``POST`` starts a run and answers a ``text/event-stream`` of its events:
+``run.created`` at once, ``run.output`` while it prints (Shoal's additive
+event), ``tool_call.required`` when its code calls the client's tools,
+``run.completed`` or ``run.failed``, then ``data: [DONE]``. Every event has an
+``id``; ``GET .../events`` with ``Last-Event-ID`` replays from there, so a
+client that lost the stream loses nothing. The run itself never depends on a
+connection: it finishes whoever listens.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from shoal.runs import (DEFAULT_TIMEOUT_MS, LANGUAGES, MAX_TIMEOUT_MS, Event, InvalidTools,
+                        RunManager, RunRequest, UnknownRun, normalise_tool)
+
+from ._bodies import read_json_object
+from ._responses import json_response
+from .auth import tenant_of
+from .errors import BadRequest
+
+router = APIRouter(prefix="/v1/code-execution/runs", tags=["runs"])
+PING_SECONDS = 15
+
+
+def _runs(request: Request) -> RunManager:
+    return request.app.state.runs
+
+
+def parse_run(body: dict) -> RunRequest:
+    language = body.get("language", "python")
+    if language not in LANGUAGES:
+        raise BadRequest(422, f"language must be one of {', '.join(LANGUAGES)}", param="language")
+    code = body.get("code")
+    if not isinstance(code, str) or not code.strip():
+        raise BadRequest(422, "code is required and must be a non-empty string", param="code")
+    raw_tools = body.get("tools") or []
+    if not isinstance(raw_tools, list):
+        raise BadRequest(422, "tools must be a list of function tools", param="tools")
+    try:
+        tools = [normalise_tool(tool) for tool in raw_tools]
+    except InvalidTools as exc:
+        raise BadRequest(422, str(exc), param="tools") from None
+    allowed = body.get("allowed_tools") or []
+    if not isinstance(allowed, list) or not all(isinstance(n, str) for n in allowed):
+        raise BadRequest(422, "allowed_tools must be a list of tool names", param="allowed_tools")
+    container = body.get("container", body.get("container_id"))
+    if container is not None and (not isinstance(container, str) or not container):
+        raise BadRequest(422, "container must be a container id", param="container")
+    file_ids = body.get("file_ids") or []
+    if not isinstance(file_ids, list) or not all(isinstance(f, str) and f for f in file_ids):
+        raise BadRequest(422, "file_ids must be a list of file ids", param="file_ids")
+    timeout_ms = body.get("timeout_ms", DEFAULT_TIMEOUT_MS)
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 1:
+        raise BadRequest(422, "timeout_ms must be a positive integer", param="timeout_ms")
+    return RunRequest(language=language, code=code, tools=tools, allowed_tools=allowed,
+                      container_id=container, file_ids=file_ids,
+                      timeout_ms=min(timeout_ms, MAX_TIMEOUT_MS))
+
+
+def _sse(event: Event) -> ServerSentEvent:
+    return ServerSentEvent(json.dumps(event.data, ensure_ascii=False), event=event.name,
+                           id=str(event.id))
+
+
+async def _stream(events: AsyncIterator[Event], last_id: int) -> AsyncIterator[ServerSentEvent]:
+    async for event in events:
+        last_id = event.id
+        yield _sse(event)
+    yield ServerSentEvent("[DONE]", id=str(last_id + 1))
+
+
+def _streaming(events: AsyncIterator[Event], last_id: int = 0) -> EventSourceResponse:
+    return EventSourceResponse(_stream(events, last_id), ping=PING_SECONDS,
+                               headers={"Cache-Control": "no-store"})
+
+
+@router.post("", summary="Start a run; its events as server-sent events")
+async def start_run(request: Request, tenant: str = Depends(tenant_of)) -> Response:
+    run = await _runs(request).start(tenant, parse_run(await read_json_object(request)))
+    return _streaming(run.log.follow(0))
+
+
+@router.get("/{run_id}", summary="A run's record (the tool result shape)")
+async def get_run(run_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
+    return json_response(await _runs(request).record(tenant, run_id))
+
+
+@router.get("/{run_id}/events", summary="Replay a run's events, then follow it")
+async def run_events(run_id: str, request: Request, after: int | None = Query(None, ge=0),
+                     tenant: str = Depends(tenant_of)) -> Response:
+    last = request.headers.get("last-event-id")
+    if after is None:
+        after = int(last) if last is not None and last.isdigit() else 0
+    runs = _runs(request)
+    try:
+        run = runs.live(tenant, run_id)
+    except UnknownRun:
+        record = await runs.record(tenant, run_id)  # 404 if it never existed
+        return _streaming(_from_record(record, after), after)
+    return _streaming(run.log.follow(after), after)
+
+
+async def _from_record(record: dict, after: int) -> AsyncIterator[Event]:
+    """A finished run whose event log is no longer kept: its start and its end."""
+    run_id = record["run_id"]
+    final = {key: record.get(key) for key in ("stdout", "stderr", "duration_ms")}
+    if record["status"] == "completed":
+        end = Event(2, "run.completed", {"runId": run_id, **final, "exit_code": record["exit_code"],
+                                         "inner_tool_calls": record["inner_tool_calls"],
+                                         "files": record["files"],
+                                         "container_id": record.get("container_id")})
+    else:
+        end = Event(2, "run.failed", {"runId": run_id, **final, "status": record["status"],
+                                      "error": record.get("error") or record["status"],
+                                      "container_id": record.get("container_id")})
+    for event in (Event(1, "run.created", {"runId": run_id}), end):
+        if event.id > after:
+            yield event
+
+
+@router.post("/{run_id}/tool-results", summary="Answer the run's waiting tool calls")
+async def tool_results(run_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
+    body = await read_json_object(request)
+    results = body.get("results")
+    if not isinstance(results, list) or not results:
+        raise BadRequest(422, "results must be a non-empty list of {call_id, output}",
+                         param="results")
+    parsed = []
+    for entry in results:
+        if not isinstance(entry, dict) or not isinstance(entry.get("call_id"), str):
+            raise BadRequest(422, "each result needs a call_id", param="results")
+        error = entry.get("error")
+        if error is not None and not isinstance(error, str):
+            raise BadRequest(422, "a result's error must be a string", param="results")
+        if error is None and entry.get("is_error"):
+            error = entry.get("output") if isinstance(entry.get("output"), str) else "tool error"
+        parsed.append({"call_id": entry["call_id"], "output": entry.get("output"), "error": error})
+    accepted = await _runs(request).submit(tenant, run_id, parsed)
+    return json_response({"run_id": run_id, "accepted": accepted})
+
+
+@router.delete("/{run_id}", summary="Cancel a run")
+async def cancel_run(run_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
+    return json_response(await _runs(request).cancel(tenant, run_id))

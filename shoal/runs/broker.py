@@ -1,0 +1,300 @@
+"""The tool-call broker: the one place that decides inner tool calls.
+
+Code in a sandbox calls stubs; every call, whatever dialect started the code,
+comes here. The broker holds what the run was granted (the client's declared
+tools intersected with ``allowed_tools``, default deny), checks each call's
+name against that grant and its arguments against the tool's JSON schema
+*again* on the host, since a stub is only a convenience and the channel can be
+forged by the code, and then hands valid calls to one of two faces:
+
+- :class:`ClientTools`: the client answers by call id (Caronte's
+  ``tool_call.required`` / ``tool-results``, paused ``function_call`` items in
+  ``/v1/responses``, ``tool_use`` in ``/v1/messages``);
+- :class:`CallbackTools`: the host itself POSTs each call to an operator-allowed
+  callback URL (the reference backend's programmatic tools).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+from urllib.parse import urlsplit
+
+import httpx
+from jsonschema import exceptions as schema_exceptions
+from jsonschema import validators
+
+from shoal.sandbox import ToolCall, ToolOutcome
+
+log = logging.getLogger("shoal.tools")
+
+MAX_TOOLS = 128
+_MAX_DESCRIPTION = 16_384
+
+
+class InvalidTools(ValueError):
+    """The declared tools or the grant are not usable; the message says why."""
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A client's function tool, in one shape whatever dialect declared it."""
+
+    name: str
+    description: str
+    parameters: dict
+
+    def stub(self) -> dict:
+        return {"name": self.name, "description": self.description,
+                "parameters": self.parameters}
+
+
+def normalise_tool(raw: object) -> ToolSpec:
+    """A function tool in OpenAI's Responses or Chat shape, or Anthropic's."""
+    if not isinstance(raw, dict):
+        raise InvalidTools("each tool must be an object")
+    body = raw.get("function") if isinstance(raw.get("function"), dict) else raw
+    kind = raw.get("type", "function")
+    if kind not in ("function", "custom") and "input_schema" not in raw:
+        raise InvalidTools(f"tool type {kind!r} cannot be called from code; only function "
+                           "tools can")
+    name = body.get("name")
+    if not isinstance(name, str) or not name or len(name) > 64 or not all(
+            char.isalnum() or char in "_-" for char in name):
+        raise InvalidTools("a tool name is 1 to 64 letters, digits, '_' or '-'")
+    description = body.get("description") or ""
+    if not isinstance(description, str) or len(description) > _MAX_DESCRIPTION:
+        raise InvalidTools(f"tool {name!r}: description must be a string of at most "
+                           f"{_MAX_DESCRIPTION} characters")
+    parameters = body.get("parameters", body.get("input_schema")) or {"type": "object"}
+    if not isinstance(parameters, dict):
+        raise InvalidTools(f"tool {name!r}: parameters must be a JSON schema object")
+    try:
+        validators.validator_for(parameters).check_schema(parameters)
+    except schema_exceptions.SchemaError as exc:
+        raise InvalidTools(f"tool {name!r}: parameters is not a valid JSON schema: "
+                           f"{exc.message}") from None
+    return ToolSpec(name, description, parameters)
+
+
+class Grant:
+    """The tools one run may call from its code, with their schemas compiled once."""
+
+    def __init__(self, tools: list[ToolSpec], allowed: list[str] | None) -> None:
+        if len(tools) > MAX_TOOLS:
+            raise InvalidTools(f"at most {MAX_TOOLS} tools may be declared")
+        declared = {tool.name: tool for tool in tools}
+        if len(declared) != len(tools):
+            raise InvalidTools("tool names must be unique")
+        allowed = allowed or []
+        unknown = [name for name in allowed if name not in declared]
+        if unknown:
+            raise InvalidTools(f"allowed_tools names tools that are not declared: "
+                               f"{', '.join(map(repr, unknown))}")
+        self.tools = [declared[name] for name in dict.fromkeys(allowed)]
+        self._validators = {tool.name: validators.validator_for(tool.parameters)(tool.parameters)
+                            for tool in self.tools}
+
+    @property
+    def names(self) -> list[str]:
+        return [tool.name for tool in self.tools]
+
+    def stubs(self) -> list[dict]:
+        return [tool.stub() for tool in self.tools]
+
+    def refusal(self, call: ToolCall) -> str | None:
+        """Why a call may not go through, or None if it may."""
+        validator = self._validators.get(call.name)
+        if validator is None:
+            return f"tool {call.name!r} is not allowed in this run"
+        error = next(iter(validator.iter_errors(call.arguments)), None)
+        if error is not None:
+            where = "/".join(map(str, error.absolute_path)) or "arguments"
+            return f"invalid arguments for tool {call.name!r}: {where}: {error.message}"
+        return None
+
+
+async def _settled(outcome: ToolOutcome) -> ToolOutcome:
+    return outcome
+
+
+@dataclass(eq=False)
+class PendingCall:
+    call_id: str
+    name: str
+    arguments: object
+    future: asyncio.Future = field(repr=False)
+
+    def public(self) -> dict:
+        return {"call_id": self.call_id, "name": self.name, "arguments": self.arguments}
+
+
+class ClientTools:
+    """Calls the client answers by id; ``on_required`` announces each batch."""
+
+    def __init__(self, grant: Grant, wait_limit: float,
+                 on_required: Callable[[list[PendingCall]], None]) -> None:
+        self.grant = grant
+        self.wait_limit = wait_limit
+        self._on_required = on_required
+        self._pending: dict[str, PendingCall] = {}
+        self._settled: set[str] = set()
+        self.calls = 0
+
+    def submit(self, calls: list[ToolCall]) -> list[Awaitable[ToolOutcome]]:
+        outcomes: list[Awaitable[ToolOutcome]] = []
+        required = []
+        loop = asyncio.get_running_loop()
+        for call in calls:
+            refusal = self.grant.refusal(call)
+            if refusal is not None:
+                log.info("refused an inner tool call: %s", refusal)
+                outcomes.append(_settled(ToolOutcome(error=refusal)))
+                continue
+            pending = PendingCall("call_" + secrets.token_hex(12), call.name, call.arguments,
+                                  loop.create_future())
+            self._pending[pending.call_id] = pending
+            required.append(pending)
+            outcomes.append(self._wait(pending))
+        self.calls += len(required)
+        if required:
+            self._on_required(required)
+        return outcomes
+
+    async def _wait(self, pending: PendingCall) -> ToolOutcome:
+        try:
+            return await pending.future
+        finally:
+            self._pending.pop(pending.call_id, None)
+            self._settled.add(pending.call_id)
+
+    @property
+    def waiting(self) -> list[PendingCall]:
+        return [p for p in self._pending.values() if not p.future.done()]
+
+    def knows(self, call_id: str) -> bool:
+        return call_id in self._pending or call_id in self._settled
+
+    def resolve(self, call_id: str, output: object = None, error: str | None = None) -> bool:
+        """Answer one call; False if it was answered before (a no-op)."""
+        pending = self._pending.get(call_id)
+        if pending is None or pending.future.done():
+            return False
+        pending.future.set_result(ToolOutcome(output=output, error=error))
+        return True
+
+    def fail_all(self, reason: str) -> None:
+        for pending in list(self._pending.values()):
+            if not pending.future.done():
+                pending.future.set_result(ToolOutcome(error=reason))
+
+
+# -- callbacks to operator-allowed hosts ----------------------------------------------------------
+class HostAllowlist:
+    """``host``, ``host:port``, ``*.suffix`` and CIDR entries naming where the host may call."""
+
+    def __init__(self, setting: str) -> None:
+        self._entries = [entry.strip().lower() for entry in setting.split(",") if entry.strip()]
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def allows(self, host: str, port: int) -> bool:
+        host = host.lower().strip("[]")
+        for entry in self._entries:
+            pattern, entry_port = _split_port(entry)
+            if entry_port is not None and entry_port != port:
+                continue
+            if "/" in pattern:
+                try:
+                    if ipaddress.ip_address(host) in ipaddress.ip_network(pattern, strict=False):
+                        return True
+                except ValueError:
+                    continue
+            elif pattern.startswith("*."):
+                if host.endswith(pattern[1:]):
+                    return True
+            elif host == pattern:
+                return True
+        return False
+
+
+def _split_port(entry: str) -> tuple[str, int | None]:
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") and rest[1:].isdigit() else None
+    if entry.count(":") == 1:
+        host, _, port = entry.partition(":")
+        if port.isdigit():
+            return host, int(port)
+    return entry, None
+
+
+def check_callback_url(url: object, allowlist: HostAllowlist) -> str:
+    """The callback URL if the operator allows its host; InvalidTools otherwise."""
+    if not isinstance(url, str) or not url:
+        raise InvalidTools("callback_url is required")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidTools("callback_url must be an http or https URL")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    if not allowlist.allows(parts.hostname, port):
+        raise CallbackNotAllowed(
+            f"callback host {parts.hostname}:{port} is not allowed; the operator allows "
+            "callback hosts with --callback-allow (SHOAL_CALLBACK_ALLOW)")
+    return url
+
+
+class CallbackNotAllowed(InvalidTools):
+    """The callback's host is not one the operator allowed."""
+
+
+class CallbackTools:
+    """Programmatic tools: the host POSTs each call to the registered callback.
+
+    The body is ``{call_id, name, input}`` with the registered bearer token; the
+    callback answers ``{"content": ...}``, or ``{"is_error": true, "content":
+    message}`` for a failure the code sees as ``ToolError`` (the reference
+    backend's semantics). The sandbox never learns the URL or the token.
+    """
+
+    def __init__(self, names: list[str], url: str, token: str, timeout: float,
+                 client: httpx.AsyncClient) -> None:
+        self._names = set(names)
+        self._url = url
+        self._token = token
+        self.wait_limit = timeout
+        self._client = client
+
+    def submit(self, calls: list[ToolCall]) -> list[Awaitable[ToolOutcome]]:
+        return [self._call(call) for call in calls]
+
+    async def _call(self, call: ToolCall) -> ToolOutcome:
+        if call.name not in self._names:
+            return ToolOutcome(error=f"tool {call.name!r} is not registered for this session")
+        if not isinstance(call.arguments, dict):
+            return ToolOutcome(error=f"tool {call.name!r} takes keyword arguments only")
+        body = {"call_id": secrets.token_hex(16), "name": call.name, "input": call.arguments}
+        try:
+            response = await self._client.post(
+                self._url, json=body, timeout=self.wait_limit,
+                headers={"Authorization": f"Bearer {self._token}"})
+        except httpx.TimeoutException as exc:
+            return ToolOutcome(error=f"tool {call.name!r} transport error: timed out ({exc})")
+        except httpx.HTTPError as exc:
+            return ToolOutcome(error=f"tool {call.name!r} unreachable: {exc}")
+        if not 200 <= response.status_code < 300:
+            return ToolOutcome(error=f"tool {call.name!r} failed: HTTP {response.status_code}")
+        try:
+            answer = response.json()
+        except ValueError:
+            return ToolOutcome(error=f"tool {call.name!r} answered with invalid JSON")
+        if not isinstance(answer, dict):
+            return ToolOutcome(error=f"tool {call.name!r} answered with a non-object body")
+        if answer.get("is_error"):
+            return ToolOutcome(error=str(answer.get("content", "tool error")))
+        return ToolOutcome(output=answer.get("content"))

@@ -1,0 +1,401 @@
+"""Runs: one piece of code executed to completion, observable while it runs.
+
+A run is what Caronte's ``/v1/code-execution/runs`` starts and what the gateway
+loops execute for a model: Python or JavaScript, optionally attached to a
+container, optionally with client tools its code may call. A run belongs to no
+connection: it executes in a task of its own and writes everything it does
+into its event log, so a client that drops the stream loses nothing and can
+replay it, and the gateway can pause a run across HTTP requests while its code
+waits for a tool result.
+
+The manager owns run records: live ones in memory, finished ones in the
+metadata store for the retention period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shoal.config import Settings
+from shoal.sandbox import (CallTooLarge, ExecResult, FileAccessError, Limit, Sandbox, SandboxPath,
+                           StubSpec, parse_path)
+from shoal.sandbox.launcher import LaunchFailed
+from shoal.sandbox.mounts import OUTPUTS, WORKSPACE
+from shoal.sessions import AtCapacity, ContainerFile, SandboxClosed, SessionManager
+from shoal.storage import ContainerRecord, RunRecord
+
+from .broker import ClientTools, Grant, PendingCall, ToolSpec
+from .events import Event, EventLog
+
+log = logging.getLogger("shoal.runs")
+
+LANGUAGES = ("python", "javascript")
+DEFAULT_TIMEOUT_MS = 30_000
+MAX_TIMEOUT_MS = 300_000
+GENERATED_FILES_PER_RUN = 50
+# Finished runs whose event logs stay in memory for replay (the record outlives them).
+_LOGS_KEPT = 256
+
+
+class UnknownRun(LookupError):
+    """No run with that id exists for this tenant."""
+
+
+class RunConflict(RuntimeError):
+    """The run is not in a state that allows the request (finished, or waiting for nothing)."""
+
+
+class UnknownToolCall(LookupError):
+    """A tool result names a call the run never made."""
+
+
+@dataclass
+class RunRequest:
+    language: str
+    code: str
+    tools: list[ToolSpec] = field(default_factory=list)
+    allowed_tools: list[str] = field(default_factory=list)
+    container_id: str | None = None
+    file_ids: list[str] = field(default_factory=list)
+    timeout_ms: int = DEFAULT_TIMEOUT_MS
+
+
+@dataclass(eq=False)
+class Run:
+    id: str
+    tenant: str
+    request: RunRequest
+    grant: Grant
+    log: EventLog = field(default_factory=EventLog)
+    status: str = "running"  # running | completed | failed | cancelled
+    container: ContainerRecord | None = None
+    implicit_container: bool = False
+    created_at: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.perf_counter)
+    result: ExecResult | None = None
+    error: str | None = None
+    duration_ms: int = 0
+    files: list[ContainerFile] = field(default_factory=list)
+    tools: ClientTools | None = None
+    sandbox: Sandbox | None = None
+    task: asyncio.Task | None = None
+    cancel_requested: bool = False
+    # Set once the run's result is final: the record to read, and what waiters wait on.
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def container_id(self) -> str | None:
+        return self.container.id if self.container is not None else None
+
+    @property
+    def inner_tool_calls(self) -> int:
+        return self.tools.calls if self.tools is not None else 0
+
+    @property
+    def waiting(self) -> list[PendingCall]:
+        return self.tools.waiting if self.tools is not None else []
+
+    def emit(self, name: str, data: dict) -> Event | None:
+        return self.log.append(name, {"runId": self.id, **data})
+
+    def record(self) -> dict:
+        """The run in the spec's "Tool result shape"."""
+        result = self.result
+        body = {
+            "run_id": self.id,
+            "stdout": result.stdout if result else "",
+            "stderr": result.stderr if result else "",
+            "exit_code": result.return_code if result and self.status == "completed" else None,
+            "status": self.status,
+            "duration_ms": self.duration_ms if self.status != "running" else int(
+                (time.perf_counter() - self.started) * 1000),
+            "inner_tool_calls": self.inner_tool_calls,
+            "files": [render_generated(item, self.container_id) for item in self.files],
+            "language": self.request.language,
+            "created_at": int(self.created_at),
+        }
+        if self.container_id is not None:
+            body["container_id"] = self.container_id
+            body["implicit"] = self.implicit_container
+        if self.error is not None:
+            body["error"] = self.error
+        if self.status == "running" and self.waiting:
+            body["pending_tool_calls"] = [p.public() for p in self.waiting]
+        return body
+
+
+def public_file_id(item: ContainerFile) -> str:
+    return "cfile_" + item.id
+
+
+def render_generated(item: ContainerFile, container_id: str | None) -> dict:
+    return {"file_id": public_file_id(item), "filename": item.filename,
+            "mime_type": item.mime_type, "size_bytes": item.record.size,
+            "container_id": container_id, "path": item.path}
+
+
+class RunManager:
+    def __init__(self, settings: Settings, sessions: SessionManager) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self._live: dict[str, Run] = {}
+        self._finished_logs: dict[str, Run] = {}
+        self._reaper: asyncio.Task | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start_reaper(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        runs = list(self._live.values())
+        for run in runs:
+            await self._request_cancel(run, "the server is shutting down")
+        tasks = [run.task for run in runs if run.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(max(60.0, self.settings.reaper_interval_seconds))
+            try:
+                cutoff = time.time() - self.settings.run_retention_seconds
+                removed = await self.sessions.metadata.delete_runs_before(cutoff)
+                if removed:
+                    log.info("forgot %d runs older than the retention period", removed)
+            except Exception:
+                log.exception("run reaper failed; retrying next interval")
+
+    # -- starting -----------------------------------------------------------------------------
+    async def start(self, tenant: str, request: RunRequest) -> Run:
+        """Check what the run needs, then start it in the background; the returned
+        run's log already holds ``run.created``."""
+        grant = Grant(request.tools, request.allowed_tools)
+        release_slot = self.sessions.claim_slot()
+        try:
+            return await self._start(tenant, request, grant, release_slot)
+        except BaseException:
+            release_slot()
+            raise
+
+    async def _start(self, tenant: str, request: RunRequest, grant: Grant,
+                     release_slot: Callable[[], None]) -> Run:
+        container = None
+        implicit = False
+        if request.container_id is not None:
+            container = await self.sessions.containers.get(tenant, request.container_id)
+        uploads = [await self.sessions.uploads.get(tenant, file_id) for file_id in request.file_ids]
+        if uploads and container is None:
+            container = await self.sessions.containers.create(tenant, implicit=True)
+            implicit = True
+        run = Run(id="cexrun_" + secrets.token_hex(12), tenant=tenant, request=request, grant=grant,
+                  container=container, implicit_container=implicit)
+        run.tools = ClientTools(grant, self.settings.tool_wait_seconds,
+                                lambda calls: run.emit("tool_call.required",
+                                                       {"calls": [c.public() for c in calls]}))
+        for upload in uploads:
+            _, handle, _ = await self.sessions.uploads.open(tenant, upload.id)
+            await self.sessions.container_files.attach_upload(container, upload, handle)
+        run.emit("run.created", {"status": "running", "container_id": run.container_id})
+        self._live[run.id] = run
+        run.task = asyncio.create_task(self._execute(run, release_slot))
+        return run
+
+    # -- reading ----------------------------------------------------------------------------------
+    def live(self, tenant: str, run_id: str) -> Run:
+        run = self._live.get(run_id) or self._finished_logs.get(run_id)
+        if run is None or run.tenant != tenant:
+            raise UnknownRun(f"no run {run_id!r}")
+        return run
+
+    async def record(self, tenant: str, run_id: str) -> dict:
+        try:
+            return self.live(tenant, run_id).record()
+        except UnknownRun:
+            stored = await self.sessions.metadata.get_run(tenant, run_id)
+            if stored is None:
+                raise
+            return stored.body
+
+    # -- the client's answers --------------------------------------------------------------------
+    async def submit(self, tenant: str, run_id: str, results: list[dict]) -> int:
+        """Resume waiting calls with the client's results; how many were new."""
+        run = self.live(tenant, run_id)
+        tools = run.tools
+        assert tools is not None
+        unknown = [r["call_id"] for r in results if not tools.knows(r["call_id"])]
+        if unknown:
+            if not run.waiting:
+                raise RunConflict(f"run {run_id} is {run.status} and waits for no tool result")
+            raise UnknownToolCall(f"run {run_id} made no tool call {unknown[0]!r}")
+        # A result for a call answered before is a no-op, as a retried POST should be.
+        return sum(tools.resolve(r["call_id"], r.get("output"), r.get("error")) for r in results)
+
+    async def cancel(self, tenant: str, run_id: str) -> dict:
+        run = self.live(tenant, run_id)
+        if run.status != "running":
+            raise RunConflict(f"run {run_id} has already {run.status}")
+        await self._request_cancel(run, "cancelled by the client")
+        await run.finished.wait()
+        return run.record()
+
+    async def _request_cancel(self, run: Run, reason: str) -> None:
+        if run.cancel_requested:
+            return
+        run.cancel_requested = True
+        run.error = reason
+        if run.tools is not None:
+            run.tools.fail_all(f"the run was {reason}")
+        if run.sandbox is not None:
+            await run.sandbox.cancel()
+        elif run.task is not None and not run.finished.is_set():
+            run.task.cancel()  # still acquiring its sandbox
+
+    # -- executing --------------------------------------------------------------------------------
+    async def _execute(self, run: Run, release_slot: Callable[[], None]) -> None:
+        leftover: list[Sandbox] = []
+        try:
+            try:
+                await self._run_in_sandbox(run, leftover)
+                self._settle(run)
+            except asyncio.CancelledError:
+                run.status = "cancelled"
+            except Exception as exc:  # noqa: BLE001 - a run fails, the server does not
+                known = _client_error(exc)
+                if known is None:
+                    log.exception("run %s failed", run.id)
+                run.status = "failed"
+                run.error = known or "the run could not be executed (internal error)"
+            finally:
+                await self._finish(run)
+            # The client has its answer; an ephemeral sandbox goes away after it.
+            for sandbox in leftover:
+                await sandbox.close()
+        finally:
+            release_slot()
+
+    def _settle(self, run: Run) -> None:
+        if run.cancel_requested:
+            run.status = "cancelled"
+        elif run.result is not None and run.result.timed_out:
+            run.status = "failed"
+            run.error = f"the run timed out after {self._timeout_seconds(run):g}s"
+        elif run.result is not None and Limit.MEMORY in run.result.limits:
+            run.status = "failed"
+            run.error = "the run was killed: it exceeded its memory limit"
+        else:
+            run.status = "completed"
+
+    def _timeout_seconds(self, run: Run) -> float:
+        ms = min(run.request.timeout_ms, MAX_TIMEOUT_MS)
+        return min(ms / 1000, float(self.settings.max_timeout_seconds))
+
+    async def _run_in_sandbox(self, run: Run, leftover: list[Sandbox]) -> None:
+        sessions = self.sessions
+        container = run.container
+        if container is not None:
+            sandbox, _ = await sessions.containers.acquire(container)
+        else:
+            sandbox = await sessions.pool.lease()
+            leftover.append(sandbox)
+        run.sandbox = sandbox
+        try:
+            if container is not None:
+                await sessions.container_files.lay_out_external(container)
+            stubs = StubSpec(run.grant.stubs()) if run.grant.tools else None
+            runner = sandbox.run_python if run.request.language == "python" else sandbox.run_javascript
+            run.result = await runner(
+                run.request.code, self._timeout_seconds(run),
+                lambda stream, text: run.emit("run.output", {"stream": stream, "text": text}),
+                stubs=stubs, tools=run.tools,
+                external_files=container is not None)
+            run.files = await self._keep_files(run, sandbox)
+        finally:
+            run.sandbox = None
+            if container is not None:
+                sessions.containers.release(container)
+                await sessions.containers.touch(container)
+
+    async def _keep_files(self, run: Run, sandbox: Sandbox) -> list[ContainerFile]:
+        """The files the run produced, made the container's (an implicit one is
+        created for a run without a container, so nothing produced is lost)."""
+        result = run.result
+        assert result is not None
+        produced = [f for f in result.files
+                    if f.path.startswith(OUTPUTS + "/")
+                    or (f.path.startswith(WORKSPACE + "/") and f.path.count("/") == 4)]
+        if not produced:
+            return []
+        sessions = self.sessions
+        if run.container is not None:
+            return await sessions.container_files.keep_produced(
+                run.container, produced, GENERATED_FILES_PER_RUN)
+        run.container = await sessions.containers.create(run.tenant, implicit=True)
+        run.implicit_container = True
+        kept = []
+        files = sandbox.files
+        for item in produced[:GENERATED_FILES_PER_RUN]:
+            path = parse_path(item.path)
+            try:
+                handle, _ = await asyncio.to_thread(files.open_for_reading, path)
+            except FileAccessError as exc:
+                log.warning("run %s: produced file %s dropped: %s", run.id, item.path, exc)
+                continue
+            with handle:
+                kept.append(await sessions.container_files.put(
+                    run.container, SandboxPath(OUTPUTS, path.parts[-1:]), handle,
+                    source_kind="assistant"))
+        for item in produced[GENERATED_FILES_PER_RUN:]:
+            log.warning("run %s: produced file %s dropped (at most %d per run)", run.id,
+                        item.path, GENERATED_FILES_PER_RUN)
+        return kept
+
+    async def _finish(self, run: Run) -> None:
+        if run.finished.is_set():
+            return
+        run.duration_ms = int((time.perf_counter() - run.started) * 1000)
+        if run.tools is not None:
+            run.tools.fail_all("the run ended")
+        record = run.record()
+        final = {key: record[key] for key in ("stdout", "stderr", "duration_ms")}
+        if run.status == "completed":
+            run.emit("run.completed", {**final, "exit_code": record["exit_code"],
+                                       "inner_tool_calls": record["inner_tool_calls"],
+                                       "files": record["files"],
+                                       "container_id": run.container_id})
+        else:
+            run.emit("run.failed", {**final, "error": run.error or run.status,
+                                    "status": run.status, "container_id": run.container_id})
+        run.log.close()
+        run.finished.set()
+        # Readers find the run among the finished ones from now on; the stored
+        # record (written after the answer went out) outlives the in-memory log.
+        self._live.pop(run.id, None)
+        self._finished_logs[run.id] = run
+        while len(self._finished_logs) > _LOGS_KEPT:
+            self._finished_logs.pop(next(iter(self._finished_logs)))
+        try:
+            await self.sessions.metadata.put_run(RunRecord(
+                tenant=run.tenant, id=run.id, container_id=run.container_id, status=run.status,
+                created_at=run.created_at, body=record))
+        except Exception:  # noqa: BLE001 - the in-memory record still answers for a while
+            log.exception("could not store run %s", run.id)
+
+
+def _client_error(exc: Exception) -> str | None:
+    """A failure the client can act on, in words; None for a server bug."""
+    if isinstance(exc, AtCapacity):
+        return str(exc)
+    if isinstance(exc, LaunchFailed):
+        return "no sandbox could be started; retry later"
+    if isinstance(exc, CallTooLarge):
+        return "the code and its tools are too large to run"
+    if isinstance(exc, SandboxClosed):
+        return "the run's sandbox was shut down while it ran"
+    return None

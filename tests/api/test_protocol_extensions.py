@@ -1,0 +1,200 @@
+"""Protocol v1's additive extensions, over real HTTP: JavaScript, streaming exec,
+and the reference backend's programmatic tools with a real callback server.
+
+None of these change the v1 shapes: a client that does not ask for them gets
+exactly what the contract says (checked against the contract's own schemas).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from httpx_sse import connect_sse
+
+from tests.serving import free_port
+
+
+@pytest.fixture(scope="module")
+def callback_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def extension_server(server_factory, callback_port):
+    return server_factory(callback_allow=f"127.0.0.1:{callback_port}", pool_size=2)
+
+
+@pytest.fixture
+def http(extension_server):
+    with extension_server.client() as client:
+        yield client
+
+
+@pytest.fixture
+def session(http):
+    session_id = http.post("/sessions", json={}).json()["session_id"]
+    yield session_id
+    http.delete(f"/sessions/{session_id}")
+
+
+def exec_code(http, session, code, **input_fields):
+    return http.post(f"/sessions/{session}/exec", json={
+        "tool": "code_execution", "input": {"code": code, **input_fields}})
+
+
+# -- JavaScript ---------------------------------------------------------------------------------
+def test_input_language_javascript_runs_on_bun(http, session, schema_errors):
+    response = exec_code(http, session, "console.log(typeof Bun, [1, 2, 3].map(x => x * 2))",
+                         language="javascript")
+    assert response.status_code == 200, response.text
+    assert schema_errors("ExecResponse", response.json()) == []
+    content = response.json()["result_block"]["content"]
+    assert content["stdout"] == "object [ 2, 4, 6 ]\n" and content["return_code"] == 0
+
+
+def test_python_stays_the_default_and_keeps_its_state(http, session):
+    exec_code(http, session, "kept = 41")
+    assert exec_code(http, session, "kept + 1").json()["result_block"]["content"]["stdout"] == "42\n"
+    explicit = exec_code(http, session, "kept + 2", language="python")
+    assert explicit.json()["result_block"]["content"]["stdout"] == "43\n"
+
+
+@pytest.mark.parametrize("language", ["ruby", "JavaScript", "", 3, None])
+def test_an_unknown_language_is_a_422(http, session, language):
+    response = exec_code(http, session, "1", language=language)
+    assert response.status_code == 422, response.text
+    assert "language" in response.json()["detail"]
+
+
+# -- streaming exec -----------------------------------------------------------------------------
+def test_exec_streams_output_then_the_v1_envelope(http, session, schema_errors):
+    stamps, events = {}, []
+    body = {"tool": "code_execution", "tool_use_id": "toolu_stream",
+            "input": {"code": "import time\nprint('a', flush=True)\ntime.sleep(1)\nprint('b')"}}
+    with connect_sse(http, "POST", f"/sessions/{session}/exec", json=body) as source:
+        assert source.response.headers["content-type"].startswith("text/event-stream")
+        for sse in source.iter_sse():
+            events.append(sse)
+            stamps.setdefault(sse.event, time.monotonic())
+    assert [e.event for e in events] == ["output", "output", "result"]
+    assert events[0].json() == {"stream": "stdout", "text": "a\n"}
+    assert stamps["result"] - stamps["output"] >= 0.5
+    envelope = events[-1].json()
+    assert schema_errors("ExecResponse", envelope) == []
+    assert envelope["tool_use_id"] == "toolu_stream"
+    assert envelope["result_block"]["content"]["stdout"] == "a\nb\n"
+    assert all(e.id for e in events)
+
+
+def test_without_the_header_nothing_changes(http, session, schema_errors):
+    response = exec_code(http, session, "print(1)")
+    assert response.headers["content-type"].startswith("application/json")
+    assert schema_errors("ExecResponse", response.json()) == []
+
+
+# -- programmatic tools -------------------------------------------------------------------------
+class _Callback(BaseHTTPRequestHandler):
+    received: list = []
+
+    def do_POST(self):  # noqa: N802 - the stdlib's name
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        _Callback.received.append({"body": body, "auth": self.headers.get("authorization")})
+        name = body["name"]
+        if name == "broken":
+            self.send_response(500)
+            self.end_headers()
+            return
+        if name == "refuses":
+            answer = {"is_error": True, "content": "no such mailbox"}
+        else:
+            answer = {"content": {"echo": body["input"], "call_id": body["call_id"]}}
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def callback(callback_port):
+    server = ThreadingHTTPServer(("127.0.0.1", callback_port), _Callback)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{callback_port}/tools"
+    server.shutdown()
+    server.server_close()
+
+
+def register(http, session, url, **extra):
+    return http.post(f"/sessions/{session}/programmatic-tools/register", json={
+        "callback_url": url, "token": "cb-secret",
+        "tools": [{"name": "gmail_list_emails", "doc": "List emails."},
+                  {"name": "refuses", "doc": ""}, {"name": "broken", "doc": ""}], **extra})
+
+
+def test_programmatic_tools_call_back_through_the_host(http, session, callback):
+    _Callback.received.clear()
+    response = register(http, session, callback, timeout_seconds=10)
+    assert response.status_code == 200, response.text
+    assert response.json() == {"stub_path": "_platform_tools", "tool_count": 3}
+    result = exec_code(http, session, (
+        "from _platform_tools import gmail_list_emails, refuses, broken, ToolError\n"
+        "print(gmail_list_emails(folder='inbox', limit=2)['echo'])\n"
+        "for tool in (refuses, broken):\n"
+        "    try:\n        tool()\n    except ToolError as e:\n        print('ToolError', e)\n"))
+    content = result.json()["result_block"]["content"]
+    assert content["stdout"] == ("{'folder': 'inbox', 'limit': 2}\n"
+                                 "ToolError no such mailbox\n"
+                                 "ToolError tool 'broken' failed: HTTP 500\n"), content
+    first = _Callback.received[0]
+    assert first["auth"] == "Bearer cb-secret"
+    assert first["body"]["name"] == "gmail_list_emails"
+    assert first["body"]["input"] == {"folder": "inbox", "limit": 2}
+    assert len(first["body"]["call_id"]) >= 16
+    # The sandbox never sees the URL or the token: neither is anywhere in the
+    # interpreter's objects (the needles are spelled in hex so the probe's own
+    # source does not contain them; the source cache is skipped all the same).
+    probe = (
+        "def scan(needles):\n"
+        "    import gc, linecache\n"
+        "    found = set()\n"
+        "    for o in gc.get_objects():\n"
+        "        if o is linecache.cache:\n            continue\n"
+        "        try:\n            text = repr(o)\n        except Exception:\n            continue\n"
+        "        found |= {n for n in needles if bytes.fromhex(n).decode() in text}\n"
+        "    return sorted(found)\n"
+        f"print(scan([{'cb-secret'.encode().hex()!r}, {callback.encode().hex()!r}]))\n")
+    leak = exec_code(http, session, probe)
+    assert leak.json()["result_block"]["content"]["stdout"] == "[]\n", leak.json()
+    # The probe can find a needle that is there: the control.
+    control = exec_code(http, session, "marker = bytes.fromhex('6d61726b6572').decode() * 2\n"
+                        + probe.replace("print(scan([", "print(scan(['6d61726b65726d61726b6572', "))
+    assert "6d61726b65726d61726b6572" in control.json()["result_block"]["content"]["stdout"]
+
+
+def test_a_callback_host_the_operator_did_not_allow_is_refused(http, session, callback):
+    for url in ("http://127.0.0.1:1/tools", "http://example.com/tools",
+                "http://169.254.169.254/latest/meta-data"):
+        response = register(http, session, url)
+        assert response.status_code == 403, response.text
+        assert "not allowed" in response.json()["detail"]
+    for bad in ("ftp://127.0.0.1/x", "", None, "not a url"):
+        assert register(http, session, bad).status_code == 422
+    assert http.post(f"/sessions/{session}/programmatic-tools/register", json={
+        "callback_url": callback, "token": "t", "tools": [{"name": "import"}]}).status_code == 422
+    assert http.post("/sessions/nope/programmatic-tools/register", json={
+        "callback_url": callback, "token": "t", "tools": [{"name": "x"}]}).status_code == 404
+
+
+def test_a_session_without_registration_has_no_platform_tools(http, session):
+    result = exec_code(http, session, "import _platform_tools")
+    content = result.json()["result_block"]["content"]
+    assert content["return_code"] == 1 and "ModuleNotFoundError" in content["stderr"]

@@ -1,0 +1,491 @@
+"""Caronte's direct run API (``/v1/code-execution/runs``) over real HTTP and SSE.
+
+Every run here executes in a real sandbox of a real ``shoal serve``; the
+streams are read with ``httpx-sse``, a real SSE client, so the event grammar
+(``event:``, ``id:``, ``data:`` lines, the ``[DONE]`` sentinel) is checked as a
+client parses it, not as the server meant it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+from httpx_sse import connect_sse
+
+OUTPUT_CAP = 64 * 1024
+TOOL_WAIT_SECONDS = 3
+
+QUERY_TOOL = {"type": "function", "name": "advanced_query", "description": "Run SQL.",
+              "parameters": {"type": "object", "properties": {"sql": {"type": "string"}},
+                             "required": ["sql"], "additionalProperties": False}}
+SECRET_TOOL = {"type": "function", "name": "delete_everything", "description": "Not for code.",
+               "parameters": {"type": "object"}}
+
+
+@pytest.fixture(scope="module")
+def runs_server(server_factory):
+    return server_factory(output_cap_bytes=OUTPUT_CAP, tool_wait_seconds=TOOL_WAIT_SECONDS,
+                          max_sessions=16, pool_size=2)
+
+
+@pytest.fixture
+def http(runs_server):
+    with runs_server.client() as client:
+        yield client
+
+
+@contextmanager
+def run_stream(http: httpx.Client, **body):
+    with connect_sse(http, "POST", "/v1/code-execution/runs", json=body) as source:
+        assert source.response.status_code == 200, source.response.read()
+        assert source.response.headers["content-type"].startswith("text/event-stream")
+        yield source
+
+
+def collect(http: httpx.Client, answer=None, **body) -> list:
+    """Every event of a run, answering tool calls with ``answer(call) -> output``."""
+    events = []
+    with run_stream(http, **body) as source:
+        for sse in source.iter_sse():
+            events.append(sse)
+            if sse.event == "tool_call.required" and answer is not None:
+                data = sse.json()
+                results = [{"call_id": c["call_id"], "output": answer(c)} for c in data["calls"]]
+                response = http.post(f"/v1/code-execution/runs/{data['runId']}/tool-results",
+                                     json={"results": results})
+                assert response.status_code == 200, response.text
+    return events
+
+
+def final(events: list) -> dict:
+    ends = [e for e in events if e.event in ("run.completed", "run.failed")]
+    assert len(ends) == 1, [e.event for e in events]
+    return {"event": ends[0].event, **ends[0].json()}
+
+
+def names(events: list) -> list[str]:
+    return [e.event for e in events]
+
+
+# -- the event grammar ------------------------------------------------------------------------
+def test_a_python_run_streams_its_output_as_it_is_printed(http):
+    stamps = {}
+    with run_stream(http, language="python",
+                    code="import time\nprint('a', flush=True)\ntime.sleep(1)\nprint('b')") as src:
+        events = []
+        for sse in src.iter_sse():
+            events.append(sse)
+            stamps.setdefault(sse.event, time.monotonic())
+    assert events[0].event == "run.created"
+    assert events[-1].data == "[DONE]" and events[-1].event == "message"  # no event: line
+    assert names(events)[-2] == "run.completed"
+    outputs = [e.json() for e in events if e.event == "run.output"]
+    assert outputs[0] == {"runId": events[0].json()["runId"], "stream": "stdout", "text": "a\n"}
+    # The first output left the sandbox while the code was still sleeping.
+    assert stamps["run.completed"] - stamps["run.output"] >= 0.5
+    end = final(events)
+    assert end["stdout"] == "a\nb\n" and end["exit_code"] == 0 and end["stderr"] == ""
+    assert end["inner_tool_calls"] == 0 and end["duration_ms"] >= 1000
+    ids = [int(e.id) for e in events]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids), "every event has its own rising id"
+
+
+def test_stderr_is_kept_apart_and_a_failing_program_still_completes(http):
+    events = collect(http, code="import sys\nprint('out')\nprint('err', file=sys.stderr)\n1/0")
+    streams = {e.json()["stream"] for e in events if e.event == "run.output"}
+    assert streams == {"stdout", "stderr"}
+    end = final(events)
+    assert end["event"] == "run.completed" and end["exit_code"] == 1
+    assert end["stdout"] == "out\n"
+    assert end["stderr"].startswith("err\n") and "ZeroDivisionError" in end["stderr"]
+
+
+def test_output_past_the_cap_is_cut_and_marked(http):
+    events = collect(http, code=f"print('x' * {OUTPUT_CAP * 3})")
+    end = final(events)
+    assert end["stdout"].endswith("...[truncated]")
+    assert len(end["stdout"]) <= OUTPUT_CAP + len("\n...[truncated]")
+    streamed = "".join(e.json()["text"] for e in events if e.event == "run.output")
+    assert len(streamed) <= OUTPUT_CAP + len("\n...[truncated]")
+
+
+def test_a_timeout_fails_the_run_and_keeps_what_it_printed(http):
+    events = collect(http, code="import time\nprint('before')\ntime.sleep(30)", timeout_ms=1000)
+    end = final(events)
+    assert end["event"] == "run.failed" and "timed out" in end["error"]
+    assert end["stdout"] == "before\n"
+
+
+def test_the_run_record_has_the_tool_result_shape(http):
+    events = collect(http, code="print(sum(range(10)))")
+    run_id = events[0].json()["runId"]
+    record = http.get(f"/v1/code-execution/runs/{run_id}").json()
+    assert run_id.startswith("cexrun_") and record["run_id"] == run_id
+    assert record["status"] == "completed" and record["exit_code"] == 0
+    assert record["stdout"] == "45\n" and record["files"] == [] and "container_id" not in record
+    assert isinstance(record["duration_ms"], int) and record["inner_tool_calls"] == 0
+
+
+def test_bad_requests_are_refused_in_the_openai_error_shape(http):
+    for body, param in (({"language": "ruby", "code": "x"}, "language"),
+                        ({"code": ""}, "code"),
+                        ({"code": "1", "tools": [{"type": "function", "name": "bad name"}]}, "tools"),
+                        ({"code": "1", "tools": [QUERY_TOOL], "allowed_tools": ["missing"]}, None),
+                        ({"code": "1", "timeout_ms": "soon"}, "timeout_ms")):
+        response = http.post("/v1/code-execution/runs", json=body)
+        assert response.status_code == 422, (body, response.text)
+        error = response.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error"
+        if param:
+            assert error["param"] == param
+    assert http.post("/v1/code-execution/runs", content=b"{nope").status_code == 422
+    missing = http.post("/v1/code-execution/runs", json={"code": "1", "container": "cnt_nope"})
+    assert missing.status_code == 404 and "cnt_nope" in missing.json()["error"]["message"]
+    assert http.get("/v1/code-execution/runs/cexrun_nope").status_code == 404
+    assert http.delete("/v1/code-execution/runs/cexrun_nope").status_code == 404
+
+
+# -- inner tool calls ---------------------------------------------------------------------------
+def test_python_calls_a_client_tool_and_gets_its_result(http):
+    seen = []
+
+    def answer(call):
+        seen.append(call)
+        return json.dumps({"rows": [[42]]})
+
+    events = collect(http, answer=answer, tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
+                     code="rows = advanced_query(sql='select count(*) from generations')\n"
+                          "print(rows['rows'][0][0])")
+    assert [c["name"] for c in seen] == ["advanced_query"]
+    assert seen[0]["arguments"] == {"sql": "select count(*) from generations"}
+    assert seen[0]["call_id"].startswith("call_")
+    end = final(events)
+    assert end["stdout"] == "42\n" and end["inner_tool_calls"] == 1
+
+
+def test_concurrent_python_calls_arrive_in_one_event(http):
+    code = ("import asyncio\n"
+            "async def main():\n"
+            "    return await asyncio.gather(advanced_query_async(sql='a'), "
+            "advanced_query_async(sql='b'))\n"
+            "print(asyncio.run(main()))\n"
+            "import threading\n"
+            "out = []\n"
+            "threads = [threading.Thread(target=lambda s=s: out.append(advanced_query(sql=s))) "
+            "for s in 'cd']\n"
+            "[t.start() for t in threads]; [t.join() for t in threads]\n"
+            "print(sorted(out))")
+    events = collect(http, answer=lambda call: call["arguments"]["sql"].upper(),
+                     tools=[QUERY_TOOL], allowed_tools=["advanced_query"], code=code)
+    batches = [[c["arguments"]["sql"] for c in e.json()["calls"]]
+               for e in events if e.event == "tool_call.required"]
+    assert sorted(map(sorted, batches)) == [["a", "b"], ["c", "d"]]
+    assert final(events)["stdout"] == "['A', 'B']\n['C', 'D']\n"
+
+
+def test_a_tool_not_allowed_has_no_stub_and_a_forged_call_is_refused(http):
+    # Declared, not allowed: no stub exists, and asking the host directly over
+    # the channel (as code posing as the agent can) is refused by the host.
+    code = ("try:\n    delete_everything()\nexcept NameError:\n    print('no stub')\n"
+            "import gc\n"
+            "relay = next(o for o in gc.get_objects() if type(o).__name__ == 'ToolRelay')\n"
+            "try:\n    relay.call('delete_everything', {})\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    events = collect(http, answer=lambda call: pytest.fail(f"the client was asked: {call}"),
+                     tools=[QUERY_TOOL, SECRET_TOOL], allowed_tools=["advanced_query"], code=code)
+    assert "tool_call.required" not in names(events)
+    end = final(events)
+    assert end["stdout"] == ("no stub\nToolError tool 'delete_everything' is not allowed "
+                             "in this run\n"), end
+    assert end["inner_tool_calls"] == 0
+
+
+def test_default_deny_without_allowed_tools(http):
+    events = collect(http, tools=[QUERY_TOOL], code=(
+        "import gc\nrelay = next(o for o in gc.get_objects() if type(o).__name__ == 'ToolRelay')\n"
+        "try:\n    relay.call('advanced_query', {'sql': 'x'})\n"
+        "except Exception as e:\n    print(e)\n"))
+    assert "tool_call.required" not in names(events)
+    assert "not allowed" in final(events)["stdout"]
+
+
+def test_schema_invalid_arguments_fail_in_the_code_and_never_reach_the_client(http):
+    events = collect(http, answer=lambda call: pytest.fail("the client was asked"),
+                     tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
+                     code="try:\n    advanced_query(sql=7)\nexcept ToolError as e:\n    print(e)")
+    assert "tool_call.required" not in names(events)
+    assert "invalid arguments" in final(events)["stdout"]
+    assert "7 is not of type 'string'" in final(events)["stdout"]
+
+
+def test_a_result_that_never_comes_fails_the_call_after_the_wait_ceiling(http):
+    started = time.monotonic()
+    events = collect(http, tools=[QUERY_TOOL], allowed_tools=["advanced_query"], timeout_ms=1000,
+                     code="try:\n    advanced_query(sql='x')\nexcept ToolError as e:\n    print(e)")
+    # The run's own 1 s timeout did not fire: waiting for the client is not the code's time.
+    end = final(events)
+    assert end["event"] == "run.completed", end
+    assert f"no result arrived within {TOOL_WAIT_SECONDS}s" in end["stdout"]
+    assert time.monotonic() - started >= TOOL_WAIT_SECONDS
+
+
+def test_cancel_while_waiting_for_a_tool(http):
+    with run_stream(http, tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
+                    code="advanced_query(sql='x')\nprint('never')") as source:
+        events = []
+        for sse in source.iter_sse():
+            events.append(sse)
+            if sse.event == "tool_call.required":
+                run_id = sse.json()["runId"]
+                cancelled = http.delete(f"/v1/code-execution/runs/{run_id}")
+                assert cancelled.status_code == 200, cancelled.text
+                assert cancelled.json()["status"] == "cancelled"
+    end = final(events)
+    assert end["event"] == "run.failed" and end["status"] == "cancelled"
+    assert "cancelled" in end["error"] and "never" not in end["stdout"]
+    record = http.get(f"/v1/code-execution/runs/{run_id}").json()
+    assert record["status"] == "cancelled" and record["exit_code"] is None
+    assert http.delete(f"/v1/code-execution/runs/{run_id}").status_code == 409
+
+
+def test_cancel_interrupts_running_code(http):
+    with run_stream(http, code="import time\nprint('started', flush=True)\ntime.sleep(60)") as src:
+        for sse in src.iter_sse():
+            if sse.event == "run.output":
+                started = time.monotonic()
+                http.delete(f"/v1/code-execution/runs/{sse.json()['runId']}")
+            if sse.event in ("run.failed", "run.completed"):
+                assert sse.event == "run.failed" and sse.json()["status"] == "cancelled"
+                assert time.monotonic() - started < 30  # far below the 60 s sleep
+
+
+def test_tool_results_answer_404_409_and_ignore_repeats(http):
+    with run_stream(http, tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
+                    code="print(advanced_query(sql='x'))") as source:
+        for sse in source.iter_sse():
+            if sse.event != "tool_call.required":
+                continue
+            data = sse.json()
+            url = f"/v1/code-execution/runs/{data['runId']}/tool-results"
+            unknown = http.post(url, json={"results": [{"call_id": "call_nope", "output": "1"}]})
+            assert unknown.status_code == 404, unknown.text
+            call_id = data["calls"][0]["call_id"]
+            first = http.post(url, json={"results": [{"call_id": call_id, "output": "ok"}]})
+            assert first.json()["accepted"] == 1
+            again = http.post(url, json={"results": [{"call_id": call_id, "output": "other"}]})
+            assert again.status_code == 200 and again.json()["accepted"] == 0
+    # Finished: it waits for nothing; an answer to a call it never made is a conflict.
+    late = http.post(url, json={"results": [{"call_id": "call_nope", "output": "1"}]})
+    assert late.status_code == 409, late.text
+    record = http.get(f"/v1/code-execution/runs/{data['runId']}").json()
+    assert record["stdout"] == "ok\n"
+    assert http.post(url, json={"results": []}).status_code == 422
+
+
+def test_a_tool_error_from_the_client_raises_tool_error(http):
+    with run_stream(http, tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
+                    code="try:\n    advanced_query(sql='x')\nexcept ToolError as e:\n    print(e)") as src:
+        for sse in src.iter_sse():
+            if sse.event == "tool_call.required":
+                data = sse.json()
+                http.post(f"/v1/code-execution/runs/{data['runId']}/tool-results",
+                          json={"results": [{"call_id": data["calls"][0]["call_id"],
+                                             "error": "permission denied"}]})
+            if sse.event == "run.completed":
+                assert sse.json()["stdout"] == "permission denied\n"
+
+
+def test_a_lost_stream_is_replayed_from_last_event_id(http):
+    code = "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.3)"
+    with run_stream(http, code=code) as source:
+        events = source.iter_sse()
+        first, second = next(events), next(events)
+    # The connection is gone; the run is not.
+    run_id = first.json()["runId"]
+    with connect_sse(http, "GET", f"/v1/code-execution/runs/{run_id}/events",
+                     headers={"Last-Event-ID": second.id}) as source:
+        rest = list(source.iter_sse())
+    assert int(rest[0].id) == int(second.id) + 1
+    assert rest[-1].data == "[DONE]"
+    text = second.json().get("text", "") + "".join(
+        e.json()["text"] for e in rest if e.event == "run.output")
+    assert text == "0\n1\n2\n"
+    assert final(rest)["stdout"] == "0\n1\n2\n"
+    # A replay from the start gives every event again, in order.
+    with connect_sse(http, "GET", f"/v1/code-execution/runs/{run_id}/events") as source:
+        again = list(source.iter_sse())
+    assert [e.id for e in again[:2]] == [first.id, second.id]
+
+
+# -- containers ---------------------------------------------------------------------------------
+def _upload(http: httpx.Client, name: str, data: bytes) -> str:
+    response = http.post("/v1/files", files={"file": (name, data)}, data={"purpose": "user_data"})
+    assert response.status_code == 200, response.text
+    return response.json()["id"]
+
+
+def test_file_ids_without_a_container_make_an_implicit_one(http):
+    file_id = _upload(http, "sales.csv", b"month,revenue\njan,10\nfeb,32\n")
+    events = collect(http, file_ids=[file_id], code=(
+        "import pandas as pd\n"
+        "df = pd.read_csv('external-files/sales.csv')\n"
+        "print(df.revenue.sum())\n"
+        "open('external-files/sales.csv', 'a')"))
+    end = final(events)
+    assert end["stdout"] == "42\n"
+    assert "PermissionError" in end["stderr"] or "Read-only" in end["stderr"], end["stderr"]
+    container_id = end["container_id"]
+    assert container_id.startswith("cnt_")
+    container = http.get(f"/v1/containers/{container_id}").json()
+    assert container["implicit"] is True
+
+
+def test_a_run_on_a_container_reads_its_files_and_adds_what_it_produces(http):
+    container = http.post("/v1/containers", json={"name": "report"}).json()
+    cid = container["id"]
+    attached = http.post(f"/v1/containers/{cid}/files", files={"file": ("data.txt", b"7\n")})
+    assert attached.status_code == 200, attached.text
+    events = collect(http, container=cid, code=(
+        "n = int(open('external-files/data.txt').read())\n"
+        "open('result.txt', 'w').write(str(n * 6))\n"
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2], [3, 4])\nplt.savefig('plot.png')\nplt.close()\n"
+        "print('done')"))
+    end = final(events)
+    assert end["stdout"] == "done\n" and end["container_id"] == cid
+    files = {f["filename"]: f for f in end["files"]}
+    assert set(files) == {"result.txt", "plot.png"}
+    assert files["plot.png"]["mime_type"] == "image/png" and files["plot.png"]["size_bytes"] > 100
+    assert all(f["file_id"].startswith("cfile_") and f["container_id"] == cid for f in files.values())
+    content = http.get(f"/v1/containers/{cid}/files/{files['result.txt']['file_id']}/content")
+    assert content.status_code == 200 and content.content == b"42"
+    listed = {f["path"].rsplit("/", 1)[-1] for f in http.get(f"/v1/containers/{cid}/files").json()["data"]}
+    assert {"data.txt", "result.txt", "plot.png"} <= listed
+    # A later run sees what the earlier one produced, read-only, among external-files.
+    events = collect(http, container=cid, code="print(open('external-files/outputs/result.txt').read())")
+    assert final(events)["stdout"] == "42\n"
+
+
+def test_at_most_fifty_generated_files_per_run(http):
+    container = http.post("/v1/containers", json={"name": "many"}).json()
+    events = collect(http, container=container["id"],
+                     code="for i in range(60):\n    open(f'f{i:02}.txt', 'w').write(str(i))")
+    end = final(events)
+    assert len(end["files"]) == 50
+    listed = http.get(f"/v1/containers/{container['id']}/files", params={"limit": 100}).json()
+    assert len([f for f in listed["data"] if f["source"] == "assistant"]) == 50
+
+
+def test_at_most_fifty_external_files_per_run(http):
+    container = http.post("/v1/containers", json={"name": "inputs"}).json()
+    for index in range(55):
+        response = http.post(f"/v1/containers/{container['id']}/files",
+                             files={"file": (f"in{index:02}.txt", b"x")})
+        assert response.status_code == 200
+    events = collect(http, container=container["id"],
+                     code="import os\nprint(len(os.listdir('external-files')))")
+    assert final(events)["stdout"] == "50\n"
+
+
+# -- tenancy ------------------------------------------------------------------------------------
+def test_another_tenant_cannot_see_or_answer_a_run(server_factory):
+    server = server_factory(tokens="tok-a=alpha,tok-b=beta", pool_size=1)
+    with server.client("tok-a") as alpha, server.client("tok-b") as beta:
+        with run_stream(alpha, tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
+                        code="print(advanced_query(sql='x'))") as source:
+            for sse in source.iter_sse():
+                if sse.event == "tool_call.required":
+                    data = sse.json()
+                    url = f"/v1/code-execution/runs/{data['runId']}"
+                    call = data["calls"][0]["call_id"]
+                    assert beta.get(url).status_code == 404
+                    assert beta.post(f"{url}/tool-results", json={"results": [
+                        {"call_id": call, "output": "beta"}]}).status_code == 404
+                    assert beta.delete(url).status_code == 404
+                    assert alpha.post(f"{url}/tool-results", json={"results": [
+                        {"call_id": call, "output": "alpha"}]}).status_code == 200
+                if sse.event == "run.completed":
+                    assert sse.json()["stdout"] == "alpha\n"
+        assert httpx.post(f"{server.url}/v1/code-execution/runs", json={"code": "1"}).status_code == 401
+
+
+def test_a_client_that_disconnects_does_not_stop_the_run(http):
+    with run_stream(http, code="import time\ntime.sleep(1)\nprint('finished anyway')") as source:
+        run_id = next(source.iter_sse()).json()["runId"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        record = http.get(f"/v1/code-execution/runs/{run_id}").json()
+        if record["status"] != "running":
+            break
+        time.sleep(0.2)
+    assert record["status"] == "completed" and record["stdout"] == "finished anyway\n"
+
+
+def test_concurrent_runs_do_not_wait_for_each_other(http, runs_server):
+    results = {}
+
+    def run(name, code):
+        with runs_server.client() as own:
+            started = time.monotonic()
+            end = final(collect(own, code=code))
+            results[name] = (end, time.monotonic() - started)
+
+    slow = threading.Thread(target=run, args=("slow", "import time\ntime.sleep(3)\nprint('slow')"))
+    slow.start()
+    time.sleep(0.3)
+    run("fast", "print('fast')")
+    slow.join()
+    assert results["fast"][0]["stdout"] == "fast\n" and results["slow"][0]["stdout"] == "slow\n"
+    assert results["fast"][1] < results["slow"][1]
+
+
+# -- JavaScript on Bun --------------------------------------------------------------------------
+def test_a_javascript_run_reads_an_external_file_with_bun_file_and_fs(http):
+    container = http.post("/v1/containers", json={"name": "js"}).json()
+    attached = http.post(f"/v1/containers/{container['id']}/files",
+                         files={"file": ("numbers.json", b"[3, 7, 7, 19, 24]")})
+    assert attached.status_code == 200
+    events = collect(http, language="javascript", container=container["id"], code=(
+        "import fs from 'fs';\n"
+        "const viaBun = await Bun.file('external-files/numbers.json').json();\n"
+        "const viaFs = JSON.parse(fs.readFileSync('external-files/numbers.json', 'utf8'));\n"
+        "const mean = viaBun.reduce((a, b) => a + b) / viaBun.length;\n"
+        "console.log(`mean ${mean} same ${viaFs.length === viaBun.length}`);\n"
+        "console.error('to stderr');\n"
+        "try { fs.writeFileSync('external-files/numbers.json', 'x'); }\n"
+        "catch (e) { console.log('read-only', e.code); }\n"))
+    end = final(events)
+    # Root's file (EACCES) on a read-only mount (EROFS): either refusal is the kernel's.
+    assert end["stdout"] in ("mean 12 same true\nread-only EACCES\n",
+                             "mean 12 same true\nread-only EROFS\n"), end
+    assert end["stderr"] == "to stderr\n" and end["exit_code"] == 0
+
+
+def test_javascript_stubs_batch_promise_all_and_refuse_what_is_not_allowed(http):
+    seen = []
+
+    def answer(call):
+        seen.append(call["arguments"]["sql"])
+        return json.dumps({"n": len(call["arguments"]["sql"])})
+
+    events = collect(http, language="javascript", answer=answer,
+                     tools=[QUERY_TOOL, SECRET_TOOL], allowed_tools=["advanced_query"], code=(
+                         "const [a, b] = await Promise.all([advanced_query({sql: 'ab'}), "
+                         "advanced_query({sql: 'abcd'})]);\n"
+                         "console.log(a.n + b.n, typeof delete_everything);\n"))
+    batches = [e.json()["calls"] for e in events if e.event == "tool_call.required"]
+    assert len(batches) == 1 and sorted(c["arguments"]["sql"] for c in batches[0]) == ["ab", "abcd"]
+    end = final(events)
+    assert end["stdout"] == "6 undefined\n" and end["inner_tool_calls"] == 2
+
+
+def test_a_javascript_exit_code_and_no_package_installs(http):
+    end = final(collect(http, language="javascript", code="import x from 'left-pad';\nconsole.log(x)"))
+    assert end["exit_code"] != 0 and "left-pad" in end["stderr"]
+    end = final(collect(http, language="javascript",
+                        code="process.stdout.write('y'.repeat(200000)); process.exit(4)"))
+    assert end["exit_code"] == 4 and end["stdout"].startswith("y" * 1000)
