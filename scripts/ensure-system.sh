@@ -13,6 +13,12 @@ while read -r package; do
         missing+=("$package")
     fi
 done < "$list"
+# The runtime build fetches Bun with npm. Node.js builds that carry their own npm
+# (NodeSource's) conflict with Debian's npm package, so it is only asked for
+# when no npm command exists.
+if [ "$list" = "$here/runtime/debian-packages.txt" ] && ! command -v npm >/dev/null; then
+    missing+=(npm)
+fi
 if [ ${#missing[@]} -eq 0 ]; then
     exit 0
 fi
