@@ -10,9 +10,10 @@ import httpx
 from fastapi import FastAPI
 
 from . import __version__
-from .api import containers, errors, files, observability, protocol_v1, runs
+from .api import containers, errors, files, messages, observability, protocol_v1, responses, runs
 from .api.auth import TokenTable
 from .config import Settings
+from .gateway import Gateway
 from .runs import RunManager
 from .sessions import SessionManager
 
@@ -31,6 +32,7 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
         # Outbound calls the host makes for tools (never for the sandbox): no
         # redirects, so an allowed host cannot bounce a call elsewhere.
         app.state.http_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
+        app.state.gateway = Gateway(settings, manager, run_manager, app.state.http_client)
         if not tokens.enabled:
             log.warning("no tokens configured: every client that can reach %s:%s may run code; "
                         "set SHOAL_TOKENS to require bearer tokens", settings.host, settings.port)
@@ -53,6 +55,8 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     app.include_router(files.router)
     app.include_router(containers.router)
     app.include_router(runs.router)
+    app.include_router(messages.router)
+    app.include_router(responses.router)
     app.add_middleware(errors.ShutdownGuard)
     app.add_middleware(observability.AccessLog)
     app.add_middleware(observability.RequestIds)

@@ -64,6 +64,29 @@ class Settings(BaseSettings):
                                 "calls to: 'host', 'host:port', '*.suffix' or a CIDR, "
                                 "comma-separated. Empty: no callbacks.")
 
+    # -- gateway mode: the model behind /v1/messages and /v1/responses ------------------
+    upstream_anthropic_url: str = Field("", description="Base URL of a model speaking Anthropic's "
+                                        "Messages API (Anthropic, or a local server); empty: "
+                                        "/v1/messages answers an error.")
+    upstream_anthropic_key: str = Field("", description="The operator's key for that upstream, "
+                                        "or '@/path/file' holding it. Clients never see it.")
+    upstream_anthropic_auth: str = Field("x-api-key", pattern="^(x-api-key|bearer)$",
+                                         description="How the key is sent: Anthropic's x-api-key "
+                                                     "header, or Authorization: Bearer.")
+    upstream_openai_url: str = Field("", description="Base URL of a model speaking OpenAI's "
+                                     "Responses API; empty: /v1/responses answers an error.")
+    upstream_openai_key: str = Field("", description="The operator's key for that upstream, or "
+                                     "'@/path/file' holding it.")
+    gateway_max_round_trips: int = Field(10, ge=1, le=100, description="Sandbox round trips one "
+                                         "gateway request may make before it pauses "
+                                         "(pause_turn); the client's next request continues.")
+    skills_dir: Path | None = Field(None, description="Folder of skills, one folder each; a "
+                                    "request's container.skills chooses which are mounted "
+                                    "read-only under /mnt/skills/.")
+    response_retention_seconds: int = Field(7 * 86400, ge=60, description="How long stored "
+                                            "/v1/responses objects stay readable (for "
+                                            "previous_response_id).")
+
     # -- the sandbox -----------------------------------------------------------
     launcher: str = Field("bwrap", pattern="^(bwrap|zygote)$",
                           description="How sandboxes start: 'bwrap' (a bubblewrap process "
@@ -73,6 +96,9 @@ class Settings(BaseSettings):
     preload_modules: str = Field("numpy,pandas", description="Modules imported in every warm "
                                                              "sandbox before it is leased.")
     memory_limit_mib: int = Field(1024, ge=16, description="Memory limit per sandbox.")
+    max_memory_limit_mib: int = Field(4096, ge=16, description="The largest memory_limit tier "
+                                      "(1g, 4g, 16g, 64g) a container may ask for; larger ones "
+                                      "are refused.")
     pids_limit: int = Field(256, ge=8, description="Processes and threads per sandbox.")
     cpu_limit: float = Field(1.0, gt=0, description="CPU cores per sandbox (a CFS quota).")
     tmp_size_mib: int = Field(256, ge=1, description="Size of the sandbox's /tmp and /dev/shm.")
@@ -92,3 +118,16 @@ class Settings(BaseSettings):
     @property
     def preload(self) -> list[str]:
         return [name for name in self.preload_modules.split(",") if name]
+
+
+def read_secret(setting: str) -> str:
+    """A secret given inline or as '@/path/file' (its first line), so it need not
+    appear on a command line (and in ``ps``)."""
+    setting = setting.strip()
+    if not setting.startswith("@"):
+        return setting
+    path = Path(setting[1:])
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None

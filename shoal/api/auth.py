@@ -70,6 +70,9 @@ def tenant_of(request: Request) -> str:
         return OPEN_TENANT
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
+    if not header and request.headers.get("x-api-key"):
+        # Anthropic's SDKs before 1.0 send the key as x-api-key.
+        scheme, token = "bearer", request.headers["x-api-key"]
     tenant = table.tenant_for(token.strip()) if scheme.lower() == "bearer" and token else None
     if tenant is None:
         raise HTTPException(401, "missing or invalid bearer token",

@@ -108,9 +108,7 @@ async def create_container(request: Request, tenant: str = Depends(tenant_of)) -
     if policy is not None and policy != {"type": "disabled"}:
         raise BadRequest(422, "sandboxes have no network: network_policy can only be "
                               "{\"type\": \"disabled\"}")
-    memory_limit = body.get("memory_limit")
-    if memory_limit is not None and memory_limit not in ("1g", "4g", "16g", "64g"):
-        raise BadRequest(422, "memory_limit must be one of 1g, 4g, 16g, 64g")
+    memory_limit = manager.containers.check_memory_limit(body.get("memory_limit"))
     uploads = [await manager.uploads.get(tenant, file_id) for file_id in file_ids]
     record = await manager.containers.create(tenant, name=name,
                                              minutes=expires_after.get("minutes"),

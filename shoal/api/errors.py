@@ -27,6 +27,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from shoal.gateway import UpstreamError, UpstreamNotConfigured
+from shoal.gateway.service import UnknownResponse
 from shoal.runs import CallbackNotAllowed, InvalidTools, RunConflict, UnknownRun, UnknownToolCall
 from shoal.sandbox.launcher import LaunchFailed
 from shoal.sessions import (AtCapacity, CallTooLarge, FileAccessError, InvalidContainer, SandboxClosed,
@@ -193,6 +195,7 @@ def install(app: FastAPI) -> None:
     handler(UnknownContainer, 404)()
     handler(UnknownRun, 404)()
     handler(UnknownToolCall, 404)()
+    handler(UnknownResponse, 404)()
     handler(RunConflict, 409)()
     handler(InvalidContainer, 422)()
     handler(InvalidTools, 422)()
@@ -200,6 +203,11 @@ def install(app: FastAPI) -> None:
     handler(SandboxClosed, 404, "the session was released while the call ran")()
     handler(CallTooLarge, 413, "the call's input is too large to run")()
     handler(AtCapacity, 503)()
+    handler(UpstreamNotConfigured, 501)()
+
+    @handler(UpstreamError)
+    def _upstream(request: Request, exc: UpstreamError):
+        return error_response(request, exc.status, exc.message, exc.retry_headers())
 
     @handler(LaunchFailed)
     def _launch(request: Request, exc: LaunchFailed):

@@ -14,7 +14,8 @@ from datetime import datetime, timezone
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from shoal.sessions import ContainerFile, InvalidKey, SessionManager, path_for_key
+from shoal.sessions import (ContainerFile, InvalidKey, SessionManager, parse_scoped_file_id,
+                            path_for_key, scoped_file_id)
 from shoal.storage import ContainerRecord, UploadRecord
 
 from ._pagination import check_limit, paginate
@@ -60,6 +61,24 @@ def render_container_file(item: ContainerFile, scope_id: str) -> dict:
         "key": item.key,
         "path": item.path,
     }
+
+
+def render_scoped(item: ContainerFile, container_id: str) -> dict:
+    """A container's file in the tenant Files API (Anthropic's FileMetadata)."""
+    return {"id": scoped_file_id(container_id, item.path), "type": "file",
+            "filename": item.filename, "mime_type": item.mime_type, "size_bytes": item.record.size,
+            "created_at": rfc3339(item.record.created_at), "downloadable": True,
+            "scope": {"id": container_id, "type": "session"}}
+
+
+async def _scoped(request: Request, tenant: str, file_id: str):
+    """(container record, file id within it) for a container file named without
+    its container, or None for an ordinary upload id."""
+    found = parse_scoped_file_id(file_id)
+    if found is None:
+        return None
+    container_id, inner = found
+    return await _container(request, tenant, container_id, create=False), inner
 
 
 def render_upload(record: UploadRecord, anthropic: bool) -> dict:
@@ -121,19 +140,35 @@ async def put_key(key: str, request: Request, scope_id: str = Query(...),
 async def list_files(request: Request, scope_id: str | None = Query(None),
                      limit: int = Query(20), after_id: str | None = Query(None),
                      before_id: str | None = Query(None), after: str | None = Query(None),
-                     prefix: str | None = Query(None),
+                     page: str | None = Query(None), prefix: str | None = Query(None),
+                     purpose: str | None = Query(None), order: str | None = Query(None),
                      tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
-    after_id = after_id or after
+    # after (OpenAI), after_id (Anthropic before 1.0) and page (Anthropic's cursor)
+    # all continue after the same item.
+    after_id = after_id or after or page
     if scope_id is None:
-        check_limit(limit, 10_000)
+        anthropic = _anthropic(request)
+        check_limit(limit, 1000 if anthropic else 10_000)
         uploads = await manager.uploads.list(tenant)
-        page = paginate(uploads, lambda r: r.id, limit, after_id, before_id)
-        data = [render_upload(r, _anthropic(request)) for r in page.items]
-        body = {"data": data, "has_more": page.has_more,
+        ids = request.query_params.getlist("ids[]") + request.query_params.getlist("ids")
+        if ids:
+            uploads = [record for record in uploads if record.id in set(ids)]
+        if purpose is not None:
+            uploads = [record for record in uploads if (record.purpose or "user_data") == purpose]
+        if order not in (None, "asc", "desc"):
+            raise BadRequest(400, "order must be 'asc' or 'desc'", param="order")
+        if order == "desc":
+            uploads = list(reversed(uploads))
+        listed = paginate(uploads, lambda r: r.id, limit, after_id, before_id)
+        data = [render_upload(r, anthropic) for r in listed.items]
+        body = {"data": data, "has_more": listed.has_more,
                 "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None}
-        if not _anthropic(request):
+        if anthropic:
+            # The SDK pages with this cursor (it reads nothing else); null on the last page.
+            body["next_page"] = body["last_id"] if listed.has_more and not before_id else None
+        else:
             body["object"] = "list"
         return json_response(body)
     check_limit(limit, 1000)
@@ -154,6 +189,11 @@ async def get_file(file_id: str, request: Request, scope_id: str | None = Query(
                    tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
     if scope_id is None:
+        scoped = await _scoped(request, tenant, file_id)
+        if scoped is not None:
+            container, inner = scoped
+            item = await manager.container_files.get(container, inner)
+            return json_response(render_scoped(item, container.id))
         record = await manager.uploads.get(tenant, file_id)
         return json_response(render_upload(record, _anthropic(request)))
     container = await _container(request, tenant, scope_id, create=False)
@@ -185,6 +225,11 @@ async def download(file_id: str, request: Request, scope_id: str | None = Query(
     manager = _manager(request)
     inline = disposition == "inline"
     if scope_id is None:
+        scoped = await _scoped(request, tenant, file_id)
+        if scoped is not None:
+            container, inner = scoped
+            item, handle, size = await manager.container_files.open(container, inner)
+            return await file_response(handle, size, item.filename, item.mime_type, inline)
         record, handle, size = await manager.uploads.open(tenant, file_id)
         return await file_response(handle, size, record.filename, record.mime_type, inline)
     container = await _container(request, tenant, scope_id, create=False)
@@ -197,6 +242,11 @@ async def delete_file(file_id: str, request: Request, scope_id: str | None = Que
                       tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
     if scope_id is None:
+        scoped = await _scoped(request, tenant, file_id)
+        if scoped is not None:
+            container, inner = scoped
+            await manager.container_files.delete(container, inner)
+            return json_response({"id": file_id, "type": "file_deleted"})
         record = await manager.uploads.delete(tenant, file_id)
         if _anthropic(request):
             return json_response({"id": record.id, "type": "file_deleted"})

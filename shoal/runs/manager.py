@@ -34,7 +34,7 @@ from .events import Event, EventLog
 
 log = logging.getLogger("shoal.runs")
 
-LANGUAGES = ("python", "javascript")
+LANGUAGES = ("python", "javascript")  # what the runs API offers; the gateway adds bash and edit
 DEFAULT_TIMEOUT_MS = 30_000
 MAX_TIMEOUT_MS = 300_000
 GENERATED_FILES_PER_RUN = 50
@@ -56,13 +56,24 @@ class UnknownToolCall(LookupError):
 
 @dataclass
 class RunRequest:
+    """What to run. ``language`` is python or javascript (``code``), bash
+    (``code`` is the command) or edit (``edit`` is the text editor's request).
+
+    ``caronte_files`` gives the run Caronte's view of its container: its files
+    laid out under ``./external-files`` and new files at the top of the
+    workspace copied into the container; without it (the gateway tools), files
+    are reported where the code left them."""
+
     language: str
-    code: str
+    code: str = ""
     tools: list[ToolSpec] = field(default_factory=list)
     allowed_tools: list[str] = field(default_factory=list)
     container_id: str | None = None
     file_ids: list[str] = field(default_factory=list)
     timeout_ms: int = DEFAULT_TIMEOUT_MS
+    edit: dict | None = None
+    caronte_files: bool = True
+    restart: bool = False
 
 
 @dataclass(eq=False)
@@ -87,6 +98,7 @@ class Run:
     cancel_requested: bool = False
     # Set once the run's result is final: the record to read, and what waiters wait on.
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    finished_callbacks: list = field(default_factory=list)
 
     @property
     def container_id(self) -> str | None:
@@ -306,16 +318,27 @@ class RunManager:
             leftover.append(sandbox)
         run.sandbox = sandbox
         try:
-            if container is not None:
+            request = run.request
+            caronte = request.caronte_files and container is not None
+            if caronte:
                 await sessions.container_files.lay_out_external(container)
+            if request.restart:
+                await sandbox.restart()
             stubs = StubSpec(run.grant.stubs()) if run.grant.tools else None
-            runner = sandbox.run_python if run.request.language == "python" else sandbox.run_javascript
-            run.result = await runner(
-                run.request.code, self._timeout_seconds(run),
-                lambda stream, text: run.emit("run.output", {"stream": stream, "text": text}),
-                stubs=stubs, tools=run.tools,
-                external_files=container is not None)
-            run.files = await self._keep_files(run, sandbox)
+            timeout = self._timeout_seconds(run)
+            on_output = lambda stream, text: run.emit("run.output", {"stream": stream, "text": text})  # noqa: E731
+            if request.language == "bash":
+                run.result = await sandbox.run_bash(request.code, timeout, on_output)
+            elif request.language == "edit":
+                run.result = await sandbox.edit(request.edit or {}, timeout)
+            else:
+                runner = sandbox.run_python if request.language == "python" else sandbox.run_javascript
+                run.result = await runner(request.code, timeout, on_output, stubs=stubs,
+                                          tools=run.tools, external_files=caronte)
+            if request.caronte_files:
+                run.files = await self._keep_files(run, sandbox)
+            elif container is not None:
+                run.files = await sessions.container_files.produced(container, run.result.files)
         finally:
             run.sandbox = None
             if container is not None:
@@ -374,6 +397,11 @@ class RunManager:
                                     "status": run.status, "container_id": run.container_id})
         run.log.close()
         run.finished.set()
+        for callback in run.finished_callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - a watcher's bug must not break the run
+                log.exception("a callback of run %s failed", run.id)
         # Readers find the run among the finished ones from now on; the stored
         # record (written after the answer went out) outlives the in-memory log.
         self._live.pop(run.id, None)

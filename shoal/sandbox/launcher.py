@@ -50,7 +50,6 @@ class LaunchConfig:
 
     runtime: Path
     agent_root: Path
-    skills: Path | None
     tmp_size_bytes: int
     pids_limit: int
     open_files: int = 4096
@@ -85,7 +84,7 @@ def command_line(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
         PRLIMIT, f"--nofile={config.open_files}", "--core=0", f"--nproc={config.nproc}", "--",
         SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
         "--inh-caps=-all", "--",
-        BWRAP, *bwrap_arguments(home, config.runtime, config.agent_root, config.skills,
+        BWRAP, *bwrap_arguments(home, config.runtime, config.agent_root,
                                 config.tmp_size_bytes, seccomp_fd),
         "--", f"{RUNTIME}/bin/python3", "-I", "-c", _BOOT, str(channel_fd),
     ]
@@ -101,7 +100,7 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
     outer_pid = 0
     try:
         if config.zygote is not None:
-            spec = spawn_spec(home, uid, cgroup.procs_files, config.skills, config.tmp_size_bytes,
+            spec = spawn_spec(home, uid, cgroup.procs_files, config.tmp_size_bytes,
                               config.open_files, config.nproc)
             outer_pid = await config.zygote.spawn(spec, sandbox_end.fileno(), home.root)
         else:

@@ -79,6 +79,11 @@ class SandboxHome:
     def external(self) -> Path:
         return self.root / "external"
 
+    @property
+    def skills(self) -> Path:
+        """The skills chosen for the container, copied here by the host, read-only inside."""
+        return self.root / "skills"
+
     def host_path_of(self, sandbox_dir: str) -> Path | None:
         """The host directory mounted at a sandbox directory, if it is one of ours."""
         return {WORKSPACE: self.workspace, OUTPUTS: self.outputs,
@@ -93,6 +98,7 @@ class SandboxHome:
             os.chown(directory, uid, uid)
         self.uploads.mkdir(mode=0o755, exist_ok=True)
         self.external.mkdir(mode=0o755, exist_ok=True)
+        self.skills.mkdir(mode=0o755, exist_ok=True)
         self.etc.mkdir(mode=0o755, exist_ok=True)
         (self.etc / "passwd").write_text(
             "root:x:0:0:root:/root:/usr/sbin/nologin\n"
@@ -123,7 +129,7 @@ def etc_entries() -> list[Path]:
 
 
 def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,
-                    skills: Path | None, tmp_size_bytes: int, seccomp_fd: int) -> list[str]:
+                    tmp_size_bytes: int, seccomp_fd: int) -> list[str]:
     args = [
         "--unshare-all", "--unshare-user", "--disable-userns",
         "--die-with-parent", "--new-session",
@@ -152,7 +158,7 @@ def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,
         "--bind", str(home.outputs), OUTPUTS,
         "--ro-bind", str(home.external), EXTERNAL,
     ]
-    args += ["--ro-bind", str(skills), SKILLS] if skills is not None else ["--dir", SKILLS]
+    args += ["--ro-bind", str(home.skills), SKILLS]
     args += [
         "--remount-ro", "/",
         "--chdir", WORKSPACE,

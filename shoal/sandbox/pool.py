@@ -12,6 +12,7 @@ uids, directories) it alone removes, and ``leftovers()`` can prove it did.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -70,7 +71,7 @@ class SandboxPool:
         if self.settings.launcher == "zygote":
             self._zygote = Zygote(runtime, agent_root, self.settings.preload)
             await self._zygote.start()
-        self._config = LaunchConfig(runtime=runtime, agent_root=agent_root, skills=None,
+        self._config = LaunchConfig(runtime=runtime, agent_root=agent_root,
                                     tmp_size_bytes=self.settings.tmp_size_mib * MiB,
                                     pids_limit=self.settings.pids_limit, zygote=self._zygote)
         self._sandboxes_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
@@ -118,8 +119,10 @@ class SandboxPool:
         self._wakeup.set()
         return sandbox
 
-    async def launch_for(self, home: SandboxHome, name: str) -> Sandbox:
-        """Start a sandbox on existing files (a durable container's), on demand.
+    async def launch_for(self, home: SandboxHome, name: str,
+                         memory_bytes: int | None = None) -> Sandbox:
+        """Start a sandbox on existing files (a durable container's), on demand,
+        with its own memory limit if given.
 
         The files outlive the sandbox: closing it leaves ``home`` as it is.
         """
@@ -129,7 +132,7 @@ class SandboxPool:
             sandbox_name = f"{self._prefix}-{name}-{next(self._names)}"
             cgroup = None
             try:
-                cgroup = await asyncio.to_thread(self._adopt, sandbox_name, uid, home)
+                cgroup = await asyncio.to_thread(self._adopt, sandbox_name, uid, home, memory_bytes)
                 sandbox = Sandbox(self, sandbox_name, uid, home, cgroup, None)
                 sandbox._process = await self._spawn(sandbox, preload=False)
             except BaseException:
@@ -138,10 +141,12 @@ class SandboxPool:
             self._live.add(sandbox)
             return sandbox
 
-    def _adopt(self, name: str, uid: int, home: SandboxHome):
+    def _adopt(self, name: str, uid: int, home: SandboxHome, memory_bytes: int | None):
         home.create(uid)
         home.adopt(uid)
-        return self._cgroups.create(name, self._limits)
+        limits = self._limits if memory_bytes is None else dataclasses.replace(
+            self._limits, memory_bytes=memory_bytes)
+        return self._cgroups.create(name, limits)
 
     @property
     def ready_count(self) -> int:

@@ -138,8 +138,7 @@ def open_tree(path: Path) -> int:
     return fd
 
 
-def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], skills: Path | None,
-               tmp_size_bytes: int, open_files: int, nproc: int) -> dict:
+def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], tmp_size_bytes: int, open_files: int, nproc: int) -> dict:
     """The same manifest bwrap is given (see :mod:`.mounts`), for the zygote."""
     binds = [("/usr", "/usr", False)]
     binds += [(str(path), str(path), False) for path in etc_entries()]
@@ -152,12 +151,9 @@ def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], skills: Pat
         ("@home/uploads", UPLOADS, False),
         ("@home/outputs", OUTPUTS, True),
         ("@home/external", EXTERNAL, False),
+        ("@home/skills", SKILLS, False),
     ]
-    directories = []
-    if skills is not None:
-        binds.append((str(skills), SKILLS, False))
-    else:
-        directories.append(SKILLS)
+    directories: list[str] = []
     return {
         "root": "/opt/shoal/root",
         "uid": uid,

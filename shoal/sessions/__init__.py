@@ -7,16 +7,18 @@ or the pool directly.
 from shoal.sandbox import (CallTooLarge, ExecResult, FileAccessError, Limit, ProducedFile, SandboxClosed,
                            guess_mime_type)
 
-from .container_files import ContainerFile, ContainerFiles, InvalidKey, path_for_key
-from .containers import ContainerManager, InvalidContainer, UnknownContainer
+from .container_files import (ContainerFile, ContainerFiles, InvalidKey, parse_scoped_file_id,
+                              path_for_key, scoped_file_id)
+from .containers import ContainerManager, InvalidContainer, UnknownContainer, UnknownSkill
 from .uploads import Uploads
 from .manager import AtCapacity, SessionManager, UnknownSession
 from .session import Session
 
 __all__ = [
     "CallTooLarge",
-    "ContainerFile", "ContainerFiles", "InvalidKey", "Uploads", "path_for_key",
-    "ContainerManager", "InvalidContainer", "UnknownContainer",
+    "ContainerFile", "ContainerFiles", "InvalidKey", "Uploads", "parse_scoped_file_id",
+    "path_for_key", "scoped_file_id",
+    "ContainerManager", "InvalidContainer", "UnknownContainer", "UnknownSkill",
     "AtCapacity", "ExecResult", "FileAccessError", "Limit", "ProducedFile", "SandboxClosed",
     "Session", "SessionManager", "UnknownSession", "guess_mime_type",
 ]

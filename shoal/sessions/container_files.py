@@ -13,6 +13,7 @@ Upload keys are relative: ``data/q3.csv`` lands in ``/mnt/user-data/uploads/``,
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import logging
 import time
@@ -239,6 +240,16 @@ class ContainerFiles:
                             item.path, exc)
         return kept
 
+    async def produced(self, record: ContainerRecord, produced: list[ProducedFile]) -> list[ContainerFile]:
+        """The container's records of files a call produced, where the code left them."""
+        found = []
+        for item in produced:
+            try:
+                found.append(await self.get(record, encode_file_id(item.path)))
+            except FileAccessError:
+                continue  # gone again before we looked
+        return found
+
     async def delete_prefix(self, record: ContainerRecord, prefix: str) -> int:
         doomed = [item for item in await self.list(record) if item.key.startswith(prefix)]
         files = self._containers.files_of(record)
@@ -246,6 +257,30 @@ class ContainerFiles:
             await asyncio.to_thread(files.delete, parse_path(item.path))
         await self._metadata.delete_files(record.tenant, record.id, [item.path for item in doomed])
         return len(doomed)
+
+
+# A container's file named without its container: the form the Anthropic dialect
+# hands out (``bash_code_execution_output``), which the tenant Files API resolves.
+_SCOPED_PREFIX = "file_c"
+
+
+def scoped_file_id(container_id: str, sandbox_path: str) -> str:
+    return _SCOPED_PREFIX + encode_file_id(f"{container_id}\x00{sandbox_path}")
+
+
+def parse_scoped_file_id(file_id: str) -> tuple[str, str] | None:
+    """(container id, file id within it) for an id made by :func:`scoped_file_id`."""
+    if not file_id.startswith(_SCOPED_PREFIX):
+        return None
+    try:
+        padded = file_id[len(_SCOPED_PREFIX):]
+        raw = base64.urlsafe_b64decode((padded + "=" * (-len(padded) % 4)).encode("ascii"))
+        container_id, _, path = raw.decode("utf-8").partition("\x00")
+    except (ValueError, UnicodeError):
+        return None
+    if not container_id or not path.startswith("/"):
+        return None
+    return container_id, encode_file_id(path)
 
 
 def _path_of_id(file_id: str) -> SandboxPath:

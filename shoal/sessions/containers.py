@@ -13,11 +13,15 @@ container under the same id.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import re
 import secrets
+import shutil
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from shoal.config import Settings
 from shoal.sandbox import Sandbox, SandboxPool
@@ -37,6 +41,17 @@ class UnknownContainer(LookupError):
 
 class InvalidContainer(ValueError):
     """A container id or setting the client may not use."""
+
+
+class UnknownSkill(InvalidContainer):
+    """A skill the request names is not in the operator's skills directory."""
+
+
+MEMORY_TIERS_MIB = {"1g": 1024, "4g": 4096, "16g": 16384, "64g": 65536}
+_SKILL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# What the skills of one container may add up to: they are copied onto its volume.
+_SKILLS_MAX_BYTES = 64 * 1024 * 1024
+_SKILLS_MARKER = ".shoal-skills"
 
 
 @dataclass(eq=False)
@@ -68,9 +83,21 @@ class ContainerManager:
             raise InvalidContainer("expires_after.minutes must be an integer from 1 to 240")
         return minutes
 
+    def check_memory_limit(self, memory_limit: object) -> str | None:
+        """A memory tier this server grants, or InvalidContainer saying why not."""
+        if memory_limit is None:
+            return None
+        if memory_limit not in MEMORY_TIERS_MIB:
+            raise InvalidContainer("memory_limit must be one of 1g, 4g, 16g, 64g")
+        if MEMORY_TIERS_MIB[memory_limit] > self.settings.max_memory_limit_mib:
+            raise InvalidContainer(f"memory_limit {memory_limit} is above this server's ceiling "
+                                   f"of {self.settings.max_memory_limit_mib} MiB")
+        return memory_limit
+
     async def create(self, tenant: str, container_id: str | None = None, name: str | None = None,
                      minutes: int | None = None, implicit: bool = False,
                      memory_limit: str | None = None) -> ContainerRecord:
+        memory_limit = self.check_memory_limit(memory_limit)
         if container_id is None:
             container_id = "cnt_" + secrets.token_hex(12)
         elif not _CLIENT_ID.match(container_id):
@@ -99,6 +126,10 @@ class ContainerManager:
             return await self.get(tenant, container_id)
         except UnknownContainer:
             return await self.create(tenant, container_id, implicit=True)
+
+    def current(self, record: ContainerRecord) -> ContainerRecord:
+        """The freshest state of a container known here (its last touch included)."""
+        return self._records.get((record.tenant, record.id), record)
 
     async def list(self, tenant: str) -> list[ContainerRecord]:
         now = time.time()
@@ -145,7 +176,9 @@ class ContainerManager:
         self._starting[key] = starting
         try:
             home = await asyncio.to_thread(self.files.home, record.tenant, record.id)
-            sandbox = await self.pool.launch_for(home, record.id[:16])
+            tier = MEMORY_TIERS_MIB.get(record.memory_limit or "")
+            sandbox = await self.pool.launch_for(home, record.id[:16],
+                                                 tier * 1024 * 1024 if tier else None)
             self._live[key] = _Live(sandbox, users=1)
         finally:
             del self._starting[key]
@@ -168,6 +201,28 @@ class ContainerManager:
         live = self._live.get((record.tenant, record.id))
         uid = live.sandbox.uid if live is not None and not live.sandbox.closed else 0
         return self.files.files(record.tenant, record.id, uid)
+
+    # -- skills ---------------------------------------------------------------------------
+    def check_skills(self, names: list[str]) -> list[Path]:
+        """The operator's folders for these skills, or UnknownSkill."""
+        root = self.settings.skills_dir
+        folders = []
+        for name in names:
+            if not isinstance(name, str) or not _SKILL_NAME.match(name):
+                raise UnknownSkill(f"{name!r} is not a skill name")
+            folder = root / name if root is not None else None
+            if folder is None or not folder.is_dir() or folder.is_symlink():
+                raise UnknownSkill(f"no skill {name!r} is installed on this server")
+            folders.append(folder)
+        return folders
+
+    async def select_skills(self, record: ContainerRecord, names: list[str]) -> None:
+        """Mount exactly these skills under the container's /mnt/skills (read-only
+        inside): copied onto its volume when the choice changes, so a live sandbox
+        sees the change at once."""
+        folders = self.check_skills(names)
+        home = await asyncio.to_thread(self.files.home, record.tenant, record.id)
+        await asyncio.to_thread(_lay_out_skills, home.skills, folders)
 
     # -- reaping ------------------------------------------------------------------------
     async def reap(self) -> None:
@@ -199,3 +254,40 @@ class ContainerManager:
 
 def _with_status(record: ContainerRecord, status: str) -> ContainerRecord:
     return replace(record, status=status)
+
+
+def _lay_out_skills(target: Path, folders: list[Path]) -> None:
+    """Replace the skills under ``target`` with copies of ``folders``; a no-op
+    when they are already there (same names, same modification times)."""
+    wanted = {folder.name: folder.stat().st_mtime_ns for folder in folders}
+    marker = target / _SKILLS_MARKER
+    try:
+        if json.loads(marker.read_text()) == wanted:
+            return
+    except (OSError, ValueError):
+        pass
+    total = sum(_size(folder) for folder in folders)
+    if total > _SKILLS_MAX_BYTES:
+        raise InvalidContainer(f"the chosen skills hold {total} bytes; at most "
+                               f"{_SKILLS_MAX_BYTES} may be mounted")
+    target.mkdir(mode=0o755, exist_ok=True)
+    for entry in list(target.iterdir()):  # only the host writes here
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    for folder in folders:
+        # Skills belong to the operator: copied without following links out of them.
+        shutil.copytree(folder, target / folder.name, symlinks=True)
+        for directory, _, files in os.walk(target / folder.name):
+            os.chmod(directory, 0o755)
+            for name in files:
+                path = os.path.join(directory, name)
+                if not os.path.islink(path):
+                    os.chmod(path, 0o644 | (os.stat(path).st_mode & 0o111))
+    marker.write_text(json.dumps(wanted))
+
+
+def _size(folder: Path) -> int:
+    return sum(entry.stat(follow_symlinks=False).st_size
+               for entry in folder.rglob("*") if entry.is_file() and not entry.is_symlink())

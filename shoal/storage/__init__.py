@@ -8,12 +8,13 @@ chosen here, in one place, so other backends slot in without touching callers.
 from pathlib import Path
 
 from .filestore import FileStore, LocalFileStore
-from .metadata import ContainerRecord, FileRecord, MetadataStore, RunRecord, UploadRecord
+from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
+                       UploadRecord)
 from .sqlite import SqliteMetadataStore
 
 __all__ = [
     "ContainerRecord", "FileRecord", "FileStore", "LocalFileStore", "MetadataStore",
-    "RunRecord", "SqliteMetadataStore", "UploadRecord", "open_metadata", "open_files",
+    "ResponseRecord", "RunRecord", "SqliteMetadataStore", "UploadRecord", "open_metadata", "open_files",
 ]
 
 

@@ -72,6 +72,18 @@ class RunRecord:
     body: dict
 
 
+@dataclass(frozen=True)
+class ResponseRecord:
+    """A stored /v1/responses object: what the client was sent, and the state a
+    later request continues from (``previous_response_id``)."""
+
+    tenant: str
+    id: str
+    created_at: float
+    body: dict
+    state: dict
+
+
 class MetadataStore(abc.ABC):
     @abc.abstractmethod
     async def open(self) -> None: ...
@@ -138,3 +150,16 @@ class MetadataStore(abc.ABC):
     @abc.abstractmethod
     async def delete_runs_before(self, created_before: float) -> int:
         """Forget runs of every tenant created before a time; how many were removed."""
+
+    # -- stored responses ------------------------------------------------------------------
+    @abc.abstractmethod
+    async def put_response(self, record: ResponseRecord) -> None: ...
+
+    @abc.abstractmethod
+    async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None: ...
+
+    @abc.abstractmethod
+    async def delete_response(self, tenant: str, response_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def delete_responses_before(self, created_before: float) -> int: ...

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import aiosqlite
 
-from .metadata import ContainerRecord, FileRecord, MetadataStore, RunRecord, UploadRecord
+from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
+                       UploadRecord)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS containers (
@@ -62,6 +63,15 @@ CREATE TABLE IF NOT EXISTS runs (
     PRIMARY KEY (tenant, id)
 );
 CREATE INDEX IF NOT EXISTS runs_age ON runs (created_at);
+CREATE TABLE IF NOT EXISTS responses (
+    tenant TEXT NOT NULL,
+    id TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    body TEXT NOT NULL,
+    state TEXT NOT NULL,
+    PRIMARY KEY (tenant, id)
+);
+CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at);
 """
 
 _CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_after_minutes, "
@@ -230,5 +240,32 @@ class SqliteMetadataStore(MetadataStore):
 
     async def delete_runs_before(self, created_before: float) -> int:
         cursor = await self.db.execute("DELETE FROM runs WHERE created_at < ?", (created_before,))
+        await self.db.commit()
+        return cursor.rowcount
+
+    # -- stored responses ------------------------------------------------------------------
+    async def put_response(self, record: ResponseRecord) -> None:
+        await self._write(
+            "INSERT OR REPLACE INTO responses (tenant, id, created_at, body, state) VALUES (?,?,?,?,?)",
+            (record.tenant, record.id, record.created_at, json.dumps(record.body, ensure_ascii=False),
+             json.dumps(record.state, ensure_ascii=False)))
+
+    async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
+        rows = await self._rows("SELECT tenant, id, created_at, body, state FROM responses "
+                                "WHERE tenant = ? AND id = ?", (tenant, response_id))
+        if not rows:
+            return None
+        row = rows[0]
+        return ResponseRecord(tenant=row[0], id=row[1], created_at=row[2], body=json.loads(row[3]),
+                              state=json.loads(row[4]))
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        cursor = await self.db.execute("DELETE FROM responses WHERE tenant = ? AND id = ?",
+                                       (tenant, response_id))
+        await self.db.commit()
+        return cursor.rowcount > 0
+
+    async def delete_responses_before(self, created_before: float) -> int:
+        cursor = await self.db.execute("DELETE FROM responses WHERE created_at < ?", (created_before,))
         await self.db.commit()
         return cursor.rowcount

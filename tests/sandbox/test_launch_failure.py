@@ -20,7 +20,7 @@ async def test_a_launch_that_fails_names_the_reason_and_cleans_up(tmp_path):
     home = SandboxHome(Path("/run/shoal-test") / name)
     home.create(uid=299_999)
     config = LaunchConfig(runtime=tmp_path / "no-such-runtime", agent_root=tmp_path,
-                          skills=None, tmp_size_bytes=1 << 20, pids_limit=64)
+                          tmp_size_bytes=1 << 20, pids_limit=64)
     try:
         with pytest.raises(LaunchFailed) as failure:
             await launch(config, home, 299_999, cgroup)

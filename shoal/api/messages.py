@@ -1,0 +1,141 @@
+"""Anthropic's Messages API (``/v1/messages``): gateway mode, Anthropic dialect.
+
+A request with a code-execution tool is served by the gateway's tool loop in
+front of the configured upstream model; any other request passes through to
+that upstream unchanged. Errors are Anthropic's (``{"type": "error", "error":
+{...}}`` with ``request-id``); an upstream's own error keeps its status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from shoal.gateway import UpstreamError, UpstreamNotConfigured
+from shoal.gateway.anthropic import InvalidMessagesRequest, parse_request
+
+from ._bodies import read_json_object
+from ._responses import json_response
+from .auth import tenant_of
+from .errors import ANTHROPIC, BadRequest, error_body, request_id_of
+
+router = APIRouter(tags=["messages"])
+log = logging.getLogger("shoal.gateway")
+
+
+async def _body(request: Request) -> dict:
+    try:
+        return await read_json_object(request)
+    except BadRequest as exc:  # Anthropic calls a body it cannot read a 400
+        raise BadRequest(400, exc.detail) from None
+
+
+def _parsed(body: dict):
+    try:
+        return parse_request(body)
+    except InvalidMessagesRequest as exc:
+        raise BadRequest(400, str(exc)) from None
+
+
+def upstream_error(request: Request, exc: UpstreamError) -> JSONResponse:
+    """The upstream's error, with its status: its own body if it is Anthropic's."""
+    body = exc.body
+    if not (isinstance(body, dict) and body.get("type") == "error"
+            and isinstance(body.get("error"), dict)):
+        body = error_body(ANTHROPIC, exc.status, exc.message)
+    body = {**body, "request_id": request_id_of(request)}
+    return JSONResponse(body, status_code=exc.status, headers=exc.retry_headers())
+
+
+def _not_configured(exc: UpstreamNotConfigured) -> BadRequest:
+    return BadRequest(501, str(exc))
+
+
+@router.post("/v1/messages", summary="Messages, with Anthropic's code-execution tool served here")
+async def create_message(request: Request, tenant: str = Depends(tenant_of)) -> Response:
+    gateway = request.app.state.gateway
+    body = await _body(request)
+    parsed = _parsed(body)
+    try:
+        upstream = gateway.upstream("anthropic")
+    except UpstreamNotConfigured as exc:
+        raise _not_configured(exc) from None
+    if parsed is None:
+        try:
+            return await upstream.forward(request, "/v1/messages", await request.body())
+        except UpstreamError as exc:
+            return upstream_error(request, exc)
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    adapter, loop = await gateway.prepare_messages(tenant, parsed, headers)
+    events = loop.events()
+    if not parsed.stream:
+        try:
+            async for _ in events:
+                pass
+        except UpstreamError as exc:
+            return upstream_error(request, exc)
+        return json_response(adapter.message())
+    iterator = events.__aiter__()
+    try:
+        first = await _next_chunk(iterator)
+    except UpstreamError as exc:
+        return upstream_error(request, exc)
+    return StreamingResponse(_stream(first, iterator, request_id_of(request)),
+                             media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+async def _next_chunk(iterator) -> bytes | None:
+    while True:
+        try:
+            chunk = await iterator.__anext__()
+        except StopAsyncIteration:
+            return None
+        if chunk is not None:
+            return chunk
+
+
+async def _stream(first: bytes | None, iterator, request_id: str | None) -> AsyncIterator[bytes]:
+    if first is None:
+        return
+    yield first
+    try:
+        async for chunk in iterator:
+            if chunk is not None:
+                yield chunk
+    except UpstreamError as exc:
+        # Mid-stream the status is sent: the error travels as Anthropic's error event.
+        body = exc.body if isinstance(exc.body, dict) and exc.body.get("type") == "error" else (
+            error_body(ANTHROPIC, exc.status, exc.message))
+        yield _event("error", {**body, "request_id": request_id})
+    except Exception:  # noqa: BLE001 - the stream says so instead of breaking off
+        log.exception("the tool loop failed mid-stream")
+        yield _event("error", error_body(ANTHROPIC, 500, "internal error", request_id))
+
+
+def _event(name: str, data: dict) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+@router.post("/v1/messages/validate", summary="Check a Messages request; run nothing, call no model")
+async def validate_message(request: Request, tenant: str = Depends(tenant_of)) -> Response:
+    gateway = request.app.state.gateway
+    body = await _body(request)
+    parsed = _parsed(body)
+    configured = True
+    try:
+        gateway.upstream("anthropic")
+    except UpstreamNotConfigured:
+        configured = False
+    answer = {"type": "validation", "valid": True, "code_execution": parsed is not None,
+              "upstream_configured": configured}
+    if parsed is not None:
+        await gateway.prepare_messages(tenant, parsed, {}, run=False)
+        answer.update(mode=parsed.mode, upstream_tools=list(parsed.code_tools),
+                      container=parsed.container_id, skills=parsed.skills or [],
+                      stream=parsed.stream)
+    return json_response(answer)

@@ -1,0 +1,112 @@
+"""OpenAI's Responses API (``/v1/responses``): gateway mode, OpenAI dialect.
+
+A request with ``code_interpreter`` or ``caronte:code_execution`` is served by
+the gateway's tool loop in front of the configured upstream; any other passes
+through unchanged. Errors are OpenAI's (``{"error": {...}}`` with
+``x-request-id``); an upstream's own error keeps its status.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from shoal.gateway import UpstreamError, UpstreamNotConfigured
+from shoal.gateway.openai import InvalidResponsesRequest, parse_request
+
+from ._bodies import read_json_object
+from ._responses import json_response
+from .auth import tenant_of
+from .errors import OPENAI, BadRequest, error_body, request_id_of
+
+router = APIRouter(prefix="/v1/responses", tags=["responses"])
+log = logging.getLogger("shoal.gateway")
+
+
+def upstream_error(request: Request, exc: UpstreamError) -> JSONResponse:
+    body = exc.body
+    if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+        body = error_body(OPENAI, exc.status, exc.message)
+    return JSONResponse({**body, "request_id": request_id_of(request)}, status_code=exc.status,
+                        headers=exc.retry_headers())
+
+
+@router.post("", summary="Responses, with the code interpreter served here")
+async def create_response(request: Request, tenant: str = Depends(tenant_of)) -> Response:
+    gateway = request.app.state.gateway
+    body = await read_json_object(request)
+    try:
+        parsed = parse_request(body)
+    except InvalidResponsesRequest as exc:
+        raise BadRequest(400, str(exc), param=exc.param) from None
+    try:
+        upstream = gateway.upstream("openai")
+    except UpstreamNotConfigured as exc:
+        raise BadRequest(501, str(exc)) from None
+    if parsed is None:
+        try:
+            return await upstream.forward(request, "/v1/responses", await request.body())
+        except UpstreamError as exc:
+            return upstream_error(request, exc)
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    session = await gateway.prepare_responses(tenant, parsed, headers)
+    events = session.events()
+    if not parsed.stream:
+        try:
+            async for _ in events:
+                pass
+        except UpstreamError as exc:
+            return upstream_error(request, exc)
+        return json_response(session.adapter.response())
+    iterator = events.__aiter__()
+    try:
+        first = await _next_chunk(iterator)
+    except UpstreamError as exc:
+        return upstream_error(request, exc)
+    return StreamingResponse(_stream(first, iterator, session, request_id_of(request)),
+                             media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+async def _next_chunk(iterator) -> bytes | None:
+    while True:
+        try:
+            chunk = await iterator.__anext__()
+        except StopAsyncIteration:
+            return None
+        if chunk is not None:
+            return chunk
+
+
+async def _stream(first, iterator, session, request_id) -> AsyncIterator[bytes]:
+    if first is None:
+        return
+    yield first
+    try:
+        async for chunk in iterator:
+            if chunk is not None:
+                yield chunk
+    except Exception as exc:  # noqa: BLE001 - the stream ends with OpenAI's failure events
+        if not isinstance(exc, UpstreamError):
+            log.exception("the tool loop failed mid-stream")
+        message = exc.message if isinstance(exc, UpstreamError) else "internal error"
+        for event in session.adapter.failure(message):
+            yield event
+
+
+@router.get("/{response_id}", summary="A stored response")
+async def get_response(response_id: str, request: Request,
+                       tenant: str = Depends(tenant_of)) -> Response:
+    return json_response(await request.app.state.gateway.stored_response(tenant, response_id))
+
+
+@router.delete("/{response_id}", summary="Forget a stored response")
+async def delete_response(response_id: str, request: Request,
+                          tenant: str = Depends(tenant_of)) -> Response:
+    gateway = request.app.state.gateway
+    if not await gateway.sessions.metadata.delete_response(tenant, response_id):
+        raise BadRequest(404, f"No response with id '{response_id}' found.")
+    return json_response({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -1,0 +1,187 @@
+"""The tool loop, dialect-neutral: ask the model, run its code calls, feed the results back.
+
+For the upstream model the gateway's server tools are ordinary function tools;
+each time the model calls one, the engine runs it in the request's container
+(through the runs layer, like every execution) and continues, until the model
+stops, calls a tool the client owns, or the request's budget of sandbox round
+trips is spent. What the client sees, and in which shape, is the dialect's
+business: an :class:`Adapter` per dialect maps requests, histories and results;
+the engine only drives.
+
+The loop is an async generator of the events the client is sent, so a
+streaming client gets each as it happens, a non-streaming one gets them
+assembled, and a client that goes away cancels the generator: the upstream
+call is dropped and the run in flight is cancelled, so nothing is left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from shoal.runs import Run, RunManager, RunRequest
+
+log = logging.getLogger("shoal.gateway")
+
+# While the sandbox works, a streaming client still hears from us this often.
+KEEPALIVE_SECONDS = 15.0
+
+
+@dataclass
+class ToolUse:
+    """A call the model made to a function tool."""
+
+    id: str
+    name: str
+    arguments: object
+
+
+@dataclass
+class Turn:
+    """One upstream call's outcome: its tool uses, why it stopped, what it cost."""
+
+    tool_uses: list[ToolUse] = field(default_factory=list)
+    stop_reason: str | None = None
+    usage: dict = field(default_factory=dict)
+
+
+@dataclass
+class Paused:
+    """The code of a run waits for client tools: the response ends with those calls."""
+
+    run: Run
+    use: ToolUse
+
+
+class Adapter(Protocol):
+    """What a dialect supplies to the engine."""
+
+    def upstream_turn(self) -> AsyncIterator[object]:
+        """Call the model once; yields client events as they come, and finally a Turn."""
+
+    def is_code_tool(self, name: str) -> bool: ...
+
+    async def run_request(self, use: ToolUse) -> RunRequest | object:
+        """The run a code tool call asks for, or a failure the call answers with instead."""
+
+    async def tool_result(self, use: ToolUse, run: Run | None, failure: object) -> list[object]:
+        """Client events for a finished call, after recording its result for the model."""
+
+    def paused(self, pause: Paused) -> list[object]:
+        """Client events for a call whose code waits on client tools (Caronte's)."""
+
+    def finish(self, stop_reason: str) -> list[object]:
+        """The closing client events."""
+
+    def keepalive(self) -> object | None: ...
+
+
+class ToolLoop:
+    def __init__(self, adapter: Adapter, runs: RunManager, tenant: str,
+                 max_round_trips: int) -> None:
+        self.adapter = adapter
+        self.runs = runs
+        self.tenant = tenant
+        self.max_round_trips = max_round_trips
+        self.round_trips = 0
+        self.executions = 0
+        self.paused: Paused | None = None
+        self._active: Run | None = None
+
+    async def events(self, resume: Paused | None = None) -> AsyncIterator[object]:
+        """Every client event of this request, in order. ``resume`` continues a
+        run paused by an earlier request (its client tools were just answered)."""
+        adapter = self.adapter
+        try:
+            if resume is not None:
+                async for event in self._wait(resume.run, resume.use):
+                    yield event
+                if self.paused is not None:
+                    return
+                self.round_trips += 1
+            while True:
+                turn = None
+                async for item in adapter.upstream_turn():
+                    if isinstance(item, Turn):
+                        turn = item
+                    else:
+                        yield item
+                assert turn is not None, "an upstream turn ends with its Turn"
+                ours = [use for use in turn.tool_uses if adapter.is_code_tool(use.name)]
+                if not ours:
+                    for event in adapter.finish(turn.stop_reason or "end_turn"):
+                        yield event
+                    return
+                for use in ours:
+                    async for event in self._call(use):
+                        yield event
+                    if self.paused is not None:
+                        return
+                if len(ours) < len(turn.tool_uses):
+                    for event in adapter.finish("tool_use"):
+                        yield event
+                    return
+                self.round_trips += 1
+                if self.round_trips >= self.max_round_trips:
+                    for event in adapter.finish("pause_turn"):
+                        yield event
+                    return
+        finally:
+            if self._active is not None and self.paused is None and not self._active.finished.is_set():
+                # The client went away mid-call: the run must not outlive the request.
+                await asyncio.shield(self._cancel(self._active))
+
+    async def _cancel(self, run: Run) -> None:
+        try:
+            await self.runs.cancel(self.tenant, run.id)
+        except Exception:  # noqa: BLE001 - it finished meanwhile
+            pass
+
+    async def _call(self, use: ToolUse) -> AsyncIterator[object]:
+        request = await self.adapter.run_request(use)
+        if not isinstance(request, RunRequest):
+            for event in await self.adapter.tool_result(use, None, request):
+                yield event  # refused before running: the adapter's own failure
+            return
+        self.executions += 1
+        run = await self.runs.start(self.tenant, request)
+        async for event in self._wait(run, use):
+            yield event
+
+    async def _wait(self, run: Run, use: ToolUse) -> AsyncIterator[object]:
+        """Until the run finishes or pauses on client tools, with keep-alives."""
+        self._active = run
+        settled = asyncio.ensure_future(_until_settled(run))
+        try:
+            while True:
+                done, _ = await asyncio.wait([settled], timeout=KEEPALIVE_SECONDS)
+                if done:
+                    break
+                ping = self.adapter.keepalive()
+                if ping is not None:
+                    yield ping
+        finally:
+            if not settled.done():
+                settled.cancel()
+        if settled.result():
+            self.paused = Paused(run, use)
+            for event in self.adapter.paused(self.paused):
+                yield event
+            return
+        self._active = None
+        for event in await self.adapter.tool_result(use, run, None):
+            yield event
+
+
+async def _until_settled(run: Run) -> bool:
+    """True when the run waits for client tools, False once it finished."""
+    if run.finished.is_set():
+        return False
+    async for event in run.log.follow(0):
+        if event.name == "tool_call.required" and run.waiting:
+            return True
+        if event.name in ("run.completed", "run.failed"):
+            return False
+    return False

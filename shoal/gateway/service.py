@@ -1,0 +1,270 @@
+"""The gateway as the routers see it: upstreams, and requests made ready for the loop.
+
+Everything a request needs before its first model call is resolved here, so a
+bad request fails before anything runs: its container (given, or the one keyed
+on the user), the files it uploads into it, the skills it mounts, its history
+mapped for the upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import httpx
+
+from shoal.config import Settings, read_secret
+from shoal.runs import Run, RunManager, UnknownRun
+from shoal.sessions import ContainerFile, SessionManager, UnknownContainer
+from shoal.storage import ContainerRecord, ResponseRecord
+
+from . import anthropic, openai
+from .engine import Paused, ToolLoop, ToolUse
+from .upstream import Upstream, UpstreamNotConfigured
+
+log = logging.getLogger("shoal.gateway")
+
+
+class UnknownResponse(LookupError):
+    """No stored response with that id for this tenant."""
+
+
+@dataclass
+class _PausedResponse:
+    """A response whose run waits for the client's tool results."""
+
+    tenant: str
+    response_id: str
+    run: Run
+    use: ToolUse
+    call_ids: list[str]
+
+
+class Gateway:
+    def __init__(self, settings: Settings, sessions: SessionManager, runs: RunManager,
+                 client: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.runs = runs
+        self._anthropic = _upstream("anthropic", settings.upstream_anthropic_url,
+                                    settings.upstream_anthropic_key, client,
+                                    "bearer" if settings.upstream_anthropic_auth == "bearer"
+                                    else "default")
+        self._openai = _upstream("openai", settings.upstream_openai_url,
+                                 settings.upstream_openai_key, client)
+        # Paused runs by (tenant, call id): a request that answers one with the full
+        # input instead of previous_response_id still finds it.
+        self._paused: dict[tuple[str, str], _PausedResponse] = {}
+
+    def upstream(self, dialect: str) -> Upstream:
+        upstream = self._anthropic if dialect == "anthropic" else self._openai
+        if upstream is None:
+            variable = f"SHOAL_UPSTREAM_{dialect.upper()}_URL"
+            raise UpstreamNotConfigured(
+                f"this server has no upstream model for this API: the operator sets {variable} "
+                f"(--upstream-{dialect}-url)")
+        return upstream
+
+    async def container_for(self, tenant: str, container_id: str | None,
+                            user: str | None) -> ContainerRecord:
+        """The named container (made if new), or the one keyed on the user, as
+        Zylon's documentation describes for requests that name none."""
+        if container_id is None:
+            digest = hashlib.sha256(f"{tenant}\x00{user or ''}".encode()).hexdigest()[:24]
+            container_id = f"user_{digest}"
+        return await self.sessions.containers.get_or_create(tenant, container_id)
+
+    # -- /v1/messages --------------------------------------------------------------------------
+    async def prepare_messages(self, tenant: str, request: anthropic.MessagesRequest,
+                               headers: dict[str, str], run: bool = True
+                               ) -> tuple[anthropic.AnthropicAdapter | None, ToolLoop | None]:
+        """Check everything; with ``run``, also create what the request names and
+        return the loop that serves it."""
+        uploads = [await self.sessions.uploads.get(tenant, file_id) for file_id in request.uploads]
+        if request.skills:
+            self.sessions.containers.check_skills(request.skills)
+        notes = {upload.id: f"[The user uploaded {upload.filename}: it is at "
+                            f"/mnt/user-data/uploads/{upload.filename}]" for upload in uploads}
+        history = anthropic.upstream_history(request.body["messages"], notes)
+        if not run:
+            return None, None
+        upstream = self.upstream("anthropic")
+        metadata = request.body.get("metadata")
+        user = metadata.get("user_id") if isinstance(metadata, dict) else None
+        container = await self.container_for(tenant, request.container_id,
+                                             user if isinstance(user, str) else None)
+        for upload in uploads:
+            _, handle, _ = await self.sessions.uploads.open(tenant, upload.id)
+            await self.sessions.container_files.attach_upload(container, upload, handle)
+        if request.skills is not None:
+            await self.sessions.containers.select_skills(container, request.skills)
+        containers = self.sessions.containers
+
+        def expiry() -> float:
+            return containers.current(container).expires_at
+
+        adapter = anthropic.AnthropicAdapter(request, upstream, container, history, headers, expiry)
+        return adapter, ToolLoop(adapter, self.runs, tenant, self.settings.gateway_max_round_trips)
+
+
+    # -- /v1/responses -------------------------------------------------------------------------
+    async def prepare_responses(self, tenant: str, request: openai.ResponsesRequest,
+                                headers: dict[str, str]) -> "ResponsesSession":
+        upstream = self.upstream("openai")
+        containers = self.sessions.containers
+        conversation = openai.Conversation()
+        pending = None
+        if request.previous_response_id is not None:
+            stored = await self.sessions.metadata.get_response(tenant, request.previous_response_id)
+            if stored is None:
+                raise UnknownResponse(f"Previous response with id "
+                                      f"'{request.previous_response_id}' not found.")
+            state = stored.state
+            conversation = openai.Conversation(list(state.get("history") or []),
+                                               state.get("interpreter_container"),
+                                               state.get("caronte_container"))
+            pending = self._paused.get((tenant, (state.get("pending_calls") or [""])[0]))
+        items = list(request.items)
+        if pending is None:
+            for item in items:
+                if item.get("type") == "function_call_output":
+                    pending = self._paused.get((tenant, str(item.get("call_id"))))
+                    if pending is not None:
+                        break
+        resume = None
+        if pending is not None:
+            answers = [item for item in items if item.get("type") == "function_call_output"
+                       and item.get("call_id") in pending.call_ids]
+            items = [item for item in items if item not in answers]
+            resume = await self._resume(pending, answers)
+            if resume is None:
+                conversation.history.append(self._lost_run_output(pending))
+        tool = request.code_interpreter
+        if tool is not None and isinstance(tool.get("container"), str):
+            conversation.interpreter_container = (await containers.get(tenant, tool["container"])).id
+        if request.caronte is not None and request.caronte.get("container"):
+            await containers.get(tenant, request.caronte["container"])
+        if tool is not None and isinstance(tool.get("container"), dict):
+            containers.check_memory_limit(tool["container"].get("memory_limit"))
+            for file_id in tool["container"].get("file_ids") or []:
+                await self.sessions.uploads.get(tenant, file_id)
+        for file_id in (request.caronte or {}).get("file_ids") or []:
+            await self.sessions.uploads.get(tenant, file_id)
+        conversation.history.extend(openai.upstream_items(items))
+
+        async def container(kind: str, marker: dict | None) -> ContainerRecord | None:
+            if kind == "interpreter":
+                current = conversation.interpreter_container
+                if current is not None:
+                    try:
+                        return await containers.get(tenant, current)
+                    except UnknownContainer:
+                        if isinstance((marker or {}).get("container"), str):
+                            raise
+                spec = (marker or {}).get("container") or {}
+                record = await containers.create(tenant, name="code_interpreter", implicit=True,
+                                                 memory_limit=spec.get("memory_limit"))
+                for file_id in spec.get("file_ids") or []:
+                    upload, handle, _ = await self.sessions.uploads.open(tenant, file_id)
+                    await self.sessions.container_files.attach_upload(record, upload, handle)
+                return record
+            named = (marker or {}).get("container") or conversation.caronte_container
+            if named is None:
+                return None
+            try:
+                return await containers.get(tenant, named)
+            except UnknownContainer:
+                if (marker or {}).get("container"):
+                    raise
+                conversation.caronte_container = None  # expired since: a new implicit one
+                return None
+
+        async def read_file(container_id: str, item: ContainerFile) -> bytes:
+            record = await containers.get(tenant, container_id)
+            _, handle, _ = await self.sessions.container_files.open(record, item.id)
+            with handle:
+                return await asyncio.to_thread(handle.read)
+
+        adapter = openai.OpenAIAdapter(request, upstream, conversation, container, read_file, headers)
+        loop = ToolLoop(adapter, self.runs, tenant, self.settings.gateway_max_round_trips)
+        return ResponsesSession(self, tenant, request, adapter, loop, resume)
+
+    async def _resume(self, pending: _PausedResponse, answers: list[dict]) -> Paused | None:
+        """Hand the client's answers to the paused run; None if the run is gone."""
+        self._forget(pending)
+        try:
+            if answers:
+                await self.runs.submit(pending.tenant, pending.run.id, [
+                    {"call_id": item["call_id"], "output": item.get("output"), "error": None}
+                    for item in answers])
+        except (UnknownRun, LookupError, RuntimeError):
+            return None
+        # Waiting on it settles at once if it ended meanwhile (its calls timed out).
+        return Paused(pending.run, pending.use)
+
+    def _lost_run_output(self, pending: _PausedResponse) -> dict:
+        return {"type": "function_call_output", "call_id": pending.use.id,
+                "output": json.dumps({"status": "failed", "error": "the paused run is gone"})}
+
+    def pause(self, tenant: str, response_id: str, paused: Paused, call_ids: list[str]) -> None:
+        entry = _PausedResponse(tenant, response_id, paused.run, paused.use, call_ids)
+        for call_id in call_ids:
+            self._paused[(tenant, call_id)] = entry
+        paused.run.finished_callbacks.append(lambda: self._forget(entry))
+
+    def _forget(self, entry: _PausedResponse) -> None:
+        for call_id in entry.call_ids:
+            if self._paused.get((entry.tenant, call_id)) is entry:
+                del self._paused[(entry.tenant, call_id)]
+
+    async def store_response(self, session: "ResponsesSession") -> None:
+        adapter = session.adapter
+        conversation = adapter.conversation
+        state = {"history": conversation.history + adapter.pending_outputs(),
+                 "interpreter_container": conversation.interpreter_container,
+                 "caronte_container": conversation.caronte_container,
+                 "pending_calls": [item["call_id"] for item in adapter.pending_calls]}
+        if session.loop.paused is not None:
+            self.pause(session.tenant, adapter.response_id, session.loop.paused,
+                       state["pending_calls"])
+        if not session.request.store:
+            return
+        await self.sessions.metadata.put_response(ResponseRecord(
+            tenant=session.tenant, id=adapter.response_id, created_at=time.time(),
+            body=adapter.response(), state=state))
+
+    async def stored_response(self, tenant: str, response_id: str) -> dict:
+        stored = await self.sessions.metadata.get_response(tenant, response_id)
+        if stored is None:
+            raise UnknownResponse(f"No response with id '{response_id}' found.")
+        return stored.body
+
+
+@dataclass
+class ResponsesSession:
+    """One /v1/responses request with a code tool, ready to run."""
+
+    gateway: Gateway
+    tenant: str
+    request: openai.ResponsesRequest
+    adapter: openai.OpenAIAdapter
+    loop: ToolLoop
+    resume: Paused | None
+
+    async def events(self) -> AsyncIterator[bytes | None]:
+        async for event in self.loop.events(self.resume):
+            yield event
+        await self.gateway.store_response(self)
+
+
+def _upstream(dialect: str, url: str, key: str, client: httpx.AsyncClient,
+              auth: str = "default") -> Upstream | None:
+    if not url:
+        return None
+    return Upstream(dialect=dialect, base_url=url, key=read_secret(key) if key else "",
+                    client=client, auth=auth)

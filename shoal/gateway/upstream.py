@@ -1,0 +1,164 @@
+"""The model provider behind the gateway: one HTTP client per dialect.
+
+Only the operator's key ever reaches the upstream; the client's bearer token
+authenticated it to Shoal and stops there. Requests the gateway has nothing to
+add to pass through untouched (streaming included); the tool loop's own calls
+are always streamed, so a streaming client sees the model's deltas as they
+come, and a non-streaming one gets the same events assembled.
+
+Upstream failures are never our 500: a status from the upstream comes back as
+:class:`UpstreamError` carrying that status, its body and its retry headers,
+and an unreachable upstream is a 502 with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import httpx
+from httpx_sse import aconnect_sse
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+# Response headers worth passing back from the upstream.
+_PASSED_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry", "content-type")
+# Request headers the client may send that mean something to the upstream.
+_FORWARDED = {"anthropic": ("anthropic-version", "anthropic-beta"), "openai": ("openai-beta",)}
+_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+
+
+class UpstreamError(Exception):
+    """The upstream answered an error (or could not be reached: status 502)."""
+
+    def __init__(self, status: int, body: object, headers: dict[str, str] | None = None) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.body = body
+        self.headers = headers or {}
+
+    @property
+    def message(self) -> str:
+        body = self.body
+        if isinstance(body, dict):
+            error = body.get("error")
+            if isinstance(error, dict) and isinstance(error.get("message"), str):
+                return error["message"]
+            if isinstance(body.get("message"), str):
+                return body["message"]
+        if isinstance(body, str) and body.strip():
+            return body.strip()[:2000]
+        return f"the upstream model answered HTTP {self.status}"
+
+    def retry_headers(self) -> dict[str, str]:
+        return {k: v for k, v in self.headers.items() if k in ("retry-after", "retry-after-ms",
+                                                             "x-should-retry")}
+
+
+class UpstreamNotConfigured(Exception):
+    """No upstream URL is configured for this dialect."""
+
+
+@dataclass
+class Upstream:
+    """One provider endpoint: its base URL (without ``/v1``), key and dialect."""
+
+    dialect: str  # "anthropic" | "openai"
+    base_url: str
+    key: str
+    client: httpx.AsyncClient
+    auth: str = "default"  # anthropic: x-api-key (default) or bearer
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+    def url(self, path: str) -> str:
+        base = self.base_url.rstrip("/")
+        if base.endswith("/v1") and path.startswith("/v1/"):
+            base = base[:-3]
+        return base + path
+
+    def headers(self, incoming: dict[str, str] | None = None) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        for name in _FORWARDED.get(self.dialect, ()):
+            if incoming and name in incoming:
+                headers[name] = incoming[name]
+        if self.dialect == "anthropic":
+            headers.setdefault("anthropic-version", "2023-06-01")
+            if self.key:
+                if self.auth == "bearer":
+                    headers["authorization"] = f"Bearer {self.key}"
+                else:
+                    headers["x-api-key"] = self.key
+        elif self.key:
+            headers["authorization"] = f"Bearer {self.key}"
+        headers.update(self.extra_headers)
+        return headers
+
+    # -- the tool loop's calls: always streamed ----------------------------------------------
+    async def events(self, path: str, body: dict,
+                     incoming: dict[str, str] | None = None) -> AsyncIterator[tuple[str, dict]]:
+        """``(event name, data)`` of a streamed call; UpstreamError before the first
+        event if the upstream refuses, or in the middle if the stream breaks."""
+        try:
+            async with aconnect_sse(self.client, "POST", self.url(path),
+                                    json={**body, "stream": True},
+                                    headers=self.headers(incoming), timeout=_TIMEOUT) as source:
+                response = source.response
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise UpstreamError(response.status_code, _body_of(response),
+                                        _headers_of(response))
+                async for sse in source.aiter_sse():
+                    if not sse.data or sse.data == "[DONE]":
+                        continue
+                    try:
+                        data = json.loads(sse.data)
+                    except ValueError:
+                        raise UpstreamError(502, f"the upstream sent an event that is not JSON: "
+                                                 f"{sse.data[:200]!r}") from None
+                    if not isinstance(data, dict):
+                        continue
+                    name = sse.event if sse.event and sse.event != "message" else str(
+                        data.get("type", ""))
+                    if name == "error" or (self.dialect == "openai" and name == "error"):
+                        raise UpstreamError(502, data)
+                    yield name, data
+        except httpx.HTTPError as exc:
+            raise UpstreamError(502, f"the upstream model could not be reached: {exc}") from None
+
+    # -- pass-through ------------------------------------------------------------------------
+    async def forward(self, request: Request, path: str, body: bytes) -> Response:
+        """Send a request on unchanged and answer with whatever the upstream answers."""
+        try:
+            upstream_request = self.client.build_request(
+                "POST", self.url(path), content=body,
+                headers=self.headers({k.lower(): v for k, v in request.headers.items()}),
+                timeout=_TIMEOUT)
+            response = await self.client.send(upstream_request, stream=True)
+        except httpx.HTTPError as exc:
+            raise UpstreamError(502, f"the upstream model could not be reached: {exc}") from None
+        headers = {k: v for k, v in response.headers.items() if k.lower() in _PASSED_HEADERS}
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            async def chunks():
+                try:
+                    async for chunk in response.aiter_raw():
+                        yield chunk
+                finally:
+                    await response.aclose()
+            return StreamingResponse(chunks(), status_code=response.status_code, headers=headers)
+        try:
+            content = await response.aread()
+        finally:
+            await response.aclose()
+        return Response(content, status_code=response.status_code, headers=headers)
+
+
+def _body_of(response: httpx.Response) -> object:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def _headers_of(response: httpx.Response) -> dict[str, str]:
+    return {k.lower(): v for k, v in response.headers.items()}
