@@ -60,4 +60,5 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     app.add_middleware(errors.ShutdownGuard)
     app.add_middleware(observability.AccessLog)
     app.add_middleware(observability.RequestIds)
+    app.add_middleware(observability.PathAliases)
     return app

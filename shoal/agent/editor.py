@@ -134,8 +134,13 @@ class TextEditor:
         _write_text(path, updated)
         self._history.setdefault(path, []).append(content)
         start_line = content.count("\n", 0, at) + 1
-        old_lines = old.split("\n")
-        new_lines = new.split("\n")
+        # The diff shows whole lines, as the change leaves them: from the start of
+        # the line the old string starts on to the end of the line it ends on.
+        line_start = content.rfind("\n", 0, at) + 1
+        old_end = content.find("\n", at + len(old))
+        old_lines = content[line_start:len(content) if old_end < 0 else old_end].split("\n")
+        new_end = updated.find("\n", at + len(new))
+        new_lines = updated[line_start:len(updated) if new_end < 0 else new_end].split("\n")
         diff = [f"-{line}" for line in old_lines] + [f"+{line}" for line in new_lines]
         return _success(
             f"The file {path} has been edited.\n{_snippet(updated, start_line, len(new_lines))}",

@@ -130,6 +130,8 @@ def error_response(request: Request | None, status: int, detail: object,
                    code: str | None = None) -> JSONResponse:
     dialect = dialect_of(request) if request is not None else PROTOCOL
     request_id = request_id_of(request) if request is not None else None
+    if dialect == ANTHROPIC and status == 422:
+        status = 400  # Anthropic answers every malformed request with a 400
     if status == 503 or status == 429:
         headers = {"Retry-After": "1", **(headers or {})}
     return JSONResponse(error_body(dialect, status, detail, request_id, param, code),

@@ -120,3 +120,21 @@ class RequestIds:
             await send(message)
 
         await self.app(scope, receive, with_id)
+
+
+class PathAliases:
+    """ASGI middleware: Zylon's clients call Shoal's routes under ``/api/gpt``
+    (``/api/gpt/v1/messages``, ``/api/gpt/v1/files``); the prefix is an alias."""
+
+    PREFIX = "/api/gpt"
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.PREFIX + "/"):
+            raw = scope.get("raw_path")
+            scope = {**scope, "path": scope["path"][len(self.PREFIX):]}
+            if isinstance(raw, bytes) and raw.startswith(self.PREFIX.encode()):
+                scope["raw_path"] = raw[len(self.PREFIX):]
+        await self.app(scope, receive, send)

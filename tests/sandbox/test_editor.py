@@ -272,7 +272,8 @@ async def test_str_replace_without_new_str_deletes(sandbox):
     await edit_ok(sandbox, command="create", path="s.txt", file_text="keep DELETE ME keep")
     result = await edit_ok(sandbox, command="str_replace", path="s.txt", old_str=" DELETE ME")
     assert await read(sandbox, "s.txt") == "keep keep"
-    assert result.editor["lines"] == ["- DELETE ME", "+"]
+    # Whole lines, as Anthropic's diff shows them.
+    assert result.editor["lines"] == ["-keep DELETE ME keep", "+keep keep"]
 
 
 async def test_str_replace_non_string_new_str(sandbox):

@@ -1,0 +1,548 @@
+"""Gateway mode, Anthropic dialect: ``/v1/messages`` with a code-execution tool.
+
+Driven with the official ``anthropic`` package against a real ``shoal serve``
+whose upstream is the scripted Messages API server; every code call runs in a
+real sandbox. The scripts play the model: they call the sub-tools, and read
+what the loop fed back to them (``body["messages"][-1]``), so each test checks
+both faces of the loop: what the client got, and what the model was told.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import anthropic
+import httpx
+import pytest
+
+from tests.gateway.conftest import CLIENT_TOKEN, OPERATOR_KEY, OTHER_TOKEN
+from tests.gateway.scripted_upstream import anthropic_turn, text, tool_use
+
+TOOL = {"type": "code_execution_20250825", "name": "code_execution"}
+ZYLON = {"type": "code_execution_v1", "name": "code_execution"}
+LEGACY = {"type": "code_execution_20250522", "name": "code_execution"}
+PNG_CODE = ("import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+            "plt.plot([1, 2, 3], [3, 1, 2])\nplt.savefig('/mnt/user-data/outputs/chart.png')\n"
+            "plt.close()\nprint('saved')")
+
+
+def ask(client, content="go", tools=(TOOL,), **extra):
+    return client.messages.create(model="claude-test", max_tokens=512, tools=list(tools),
+                                  messages=[{"role": "user", "content": content}], **extra)
+
+
+def fed_back(body: dict) -> list[dict]:
+    """The tool_result blocks the loop last sent the model."""
+    return [b for b in body["messages"][-1]["content"] if b.get("type") == "tool_result"]
+
+
+def last_result(body: dict) -> dict:
+    return json.loads(fed_back(body)[-1]["content"])
+
+
+def bash(command: str, **extra) -> dict:
+    return tool_use("bash_code_execution", {"command": command, **extra})
+
+
+def editor(**arguments) -> dict:
+    return tool_use("text_editor_code_execution", arguments)
+
+
+def a_container() -> str:
+    return f"c-{uuid.uuid4().hex[:12]}"
+
+
+# -- the loop ---------------------------------------------------------------------------------
+def test_bash_then_text(anthropic_client, upstream):
+    upstream.script(anthropic_turn(text("Let me run it."), bash("echo $((6 * 7)); echo oops >&2")),
+                    lambda body: anthropic_turn(text(f"The answer is {last_result(body)['stdout'].strip()}.")))
+    message = ask(anthropic_client, "what is 6*7?")
+    assert [b.type for b in message.content] == [
+        "text", "server_tool_use", "bash_code_execution_tool_result", "text"]
+    call, result = message.content[1], message.content[2]
+    assert call.id.startswith("srvtoolu_") and call.name == "bash_code_execution"
+    assert call.input == {"command": "echo $((6 * 7)); echo oops >&2"}
+    assert result.tool_use_id == call.id
+    assert result.content.type == "bash_code_execution_result"
+    assert (result.content.stdout, result.content.stderr, result.content.return_code) == (
+        "42\n", "oops\n", 0)
+    assert result.content.content == []
+    assert message.content[-1].text == "The answer is 42."
+    assert message.stop_reason == "end_turn"
+    assert message.usage.server_tool_use.model_extra["code_execution_requests"] == 1
+    assert message.usage.input_tokens == 20 and message.usage.output_tokens == 10
+    assert message.container.id and message.container.expires_at.year >= 2026
+    # What the upstream was sent: function tools instead of the server tool, the
+    # operator's key instead of the client's token, and the result as a tool_result.
+    first, second = upstream.requests
+    assert {t["name"] for t in first.body["tools"]} == {"bash_code_execution",
+                                                       "text_editor_code_execution"}
+    assert all(t.get("type") != "code_execution_20250825" for t in first.body["tools"])
+    assert "container" not in first.body
+    assert first.headers["x-api-key"] == OPERATOR_KEY
+    assert CLIENT_TOKEN not in json.dumps(first.headers)
+    assert second.body["messages"][-2]["content"][-1]["type"] == "tool_use"
+    assert second.body["messages"][-2]["content"][-1]["id"] == call.id
+    assert fed_back(second.body)[0]["tool_use_id"] == call.id
+
+
+def test_streaming_matches_anthropic_event_order(anthropic_client, upstream):
+    upstream.script(anthropic_turn(text("Running it now, step by step."), bash("echo streamed"),
+                                   chunk=4),
+                    anthropic_turn(text("All done here."), chunk=3))
+    with anthropic_client.messages.stream(model="claude-test", max_tokens=256, tools=[TOOL],
+                                          messages=[{"role": "user", "content": "go"}]) as stream:
+        events = [event for event in stream]
+        final = stream.get_final_message()
+    kinds = [e.type for e in events if e.type in ("message_start", "content_block_start",
+                                                  "content_block_stop", "message_delta",
+                                                  "message_stop")]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [s.index for s in starts] == list(range(len(starts)))  # renumbered across turns
+    assert [s.content_block.type for s in starts] == [
+        "text", "server_tool_use", "bash_code_execution_tool_result", "text"]
+    assert starts[1].content_block.input == {}  # then input_json_delta, as Anthropic streams it
+    json_deltas = [e for e in events if e.type == "content_block_delta" and e.index == 1]
+    assert len(json_deltas) >= 2 and all(d.delta.type == "input_json_delta" for d in json_deltas)
+    text_deltas = [e for e in events if e.type == "content_block_delta" and e.index == 0]
+    assert len(text_deltas) >= 5  # forwarded as the upstream sent them, not re-chunked
+    result = starts[2].content_block
+    assert result.content.stdout == "streamed\n"  # arrives whole, in one content_block_start
+    assert not any(e.type == "content_block_delta" and e.index == 2 for e in events)
+    delta = next(e for e in events if e.type == "message_delta")
+    assert delta.delta.container.id == final.container.id
+    assert final.stop_reason == "end_turn"
+    assert [b.type for b in final.content][-1] == "text" and final.content[-1].text == "All done here."
+    assert final.content[1].input == {"command": "echo streamed"}
+
+
+def test_every_editor_command(anthropic_client, upstream):
+    path = "/home/agent/workspace/config.json"
+    upstream.script(
+        anthropic_turn(editor(command="create", path=path, file_text='{\n  "debug": true\n}\n')),
+        anthropic_turn(editor(command="view", path=path)),
+        anthropic_turn(editor(command="str_replace", path=path, old_str='"debug": true',
+                              new_str='"debug": false')),
+        anthropic_turn(editor(command="insert", path=path, insert_line=1, insert_text='  "a": 1,')),
+        anthropic_turn(editor(command="view", path=path, view_range=[2, 3])),
+        anthropic_turn(editor(command="undo_edit", path=path)),
+        anthropic_turn(editor(command="create", path=path, file_text="{}\n")),
+        anthropic_turn(text("edited")))
+    message = ask(anthropic_client)
+    results = [b.content for b in message.content if b.type == "text_editor_code_execution_tool_result"]
+    create, view, replace, insert, ranged, undo, overwrite = results
+    assert create.type == "text_editor_code_execution_create_result" and not create.is_file_update
+    assert view.type == "text_editor_code_execution_view_result"
+    assert view.file_type == "text" and '"debug": true' in view.content
+    assert view.start_line == 1 and view.total_lines >= 3
+    assert replace.type == "text_editor_code_execution_str_replace_result"
+    assert replace.lines == ['-  "debug": true', '+  "debug": false']
+    assert replace.old_start == 2 and replace.new_lines == 1
+    assert insert.type == "text_editor_code_execution_str_replace_result"
+    assert insert.lines == ['+  "a": 1,'] and insert.new_start == 2
+    assert ranged.content == '  "a": 1,\n  "debug": false' and ranged.start_line == 2
+    assert undo.type == "text_editor_code_execution_str_replace_result"
+    assert overwrite.type == "text_editor_code_execution_create_result" and overwrite.is_file_update
+    # The model was told each result in words it can use.
+    view_fed = [r for r in upstream.requests[2].body["messages"][-1]["content"]
+                if r["type"] == "tool_result"][0]
+    assert '"debug": true' in view_fed["content"]
+
+
+def test_error_blocks_strict_and_zylon(anthropic_client, upstream):
+    for tool, zylon in ((TOOL, False), (ZYLON, True)):
+        upstream.reset()
+        upstream.script(
+            anthropic_turn(editor(command="view", path="/home/agent/workspace/missing.txt")),
+            anthropic_turn(editor(command="create", path="/mnt/user-data/uploads/x.txt", file_text="x")),
+            anthropic_turn(editor(command="view", path="/etc/passwd")),
+            anthropic_turn(bash("", timeout=5)),
+            lambda body: anthropic_turn(text("saw: " + fed_back(body)[0]["content"])))
+        message = ask(anthropic_client, tools=(tool,))
+        missing, readonly, outside, invalid = [
+            b.content for b in message.content if b.type.endswith("_tool_result")]
+        assert missing.type == "text_editor_code_execution_tool_result_error"
+        assert missing.error_code == "file_not_found" and "missing.txt" in missing.error_message
+        assert readonly.error_code == "invalid_tool_input"
+        assert readonly.error_message == "Path '/mnt/user-data/uploads/x.txt' is in a read-only mount"
+        assert outside.error_message == "Path '/etc/passwd' does not match any session mount"
+        assert invalid.type == "bash_code_execution_tool_result_error"
+        assert invalid.error_code == "invalid_tool_input"
+        detail = getattr(missing, "detail", None)
+        if zylon:
+            assert detail["code"] == "file_not_found" and "missing.txt" in detail["explanation"]
+        else:
+            assert detail is None and "detail" not in (missing.model_extra or {})
+        assert message.content[-1].text.startswith("saw: error: invalid_tool_input")
+        # The tool_result the model got for an error is marked as one.
+        assert fed_back(upstream.requests[1].body)[0]["is_error"] is True
+
+
+def test_a_timeout_is_return_code_124(anthropic_client, upstream):
+    upstream.script(anthropic_turn(bash("echo started; sleep 20", timeout=1)),
+                    lambda body: anthropic_turn(text(str(last_result(body)["return_code"]))))
+    message = ask(anthropic_client)
+    result = message.content[1].content
+    assert result.return_code == 124 and result.stdout == "started\n"
+    assert result.stderr.endswith("Command timed out after 1s.")
+    assert message.content[-1].text == "124"
+
+
+def test_pause_turn_and_its_continuation(gateway_factory, upstream):
+    server = gateway_factory(gateway_max_round_trips=2)
+    client = anthropic.Anthropic(base_url=server.url, api_key=CLIENT_TOKEN, max_retries=0)
+    container = a_container()
+    upstream.script(anthropic_turn(bash("echo 1 > n.txt")), anthropic_turn(bash("echo 2 >> n.txt")))
+    paused = ask(client, container=container)
+    assert paused.stop_reason == "pause_turn"
+    assert [b.type for b in paused.content] == ["server_tool_use", "bash_code_execution_tool_result"] * 2
+    # The client sends the assistant content back as it came; the model continues.
+    upstream.script(anthropic_turn(bash("cat n.txt")),
+                    lambda body: anthropic_turn(text("n.txt holds " + last_result(body)["stdout"].replace("\n", ","))))
+    follow = client.messages.create(
+        model="claude-test", max_tokens=256, tools=[TOOL], container=container,
+        messages=[{"role": "user", "content": "go"},
+                  {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in paused.content]}])
+    assert follow.stop_reason == "end_turn" and follow.content[-1].text == "n.txt holds 1,2,"
+    # The upstream saw the earlier calls as tool_use and tool_result, paired up.
+    history = upstream.requests[2].body["messages"]
+    assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant", "user"]
+    assert history[1]["content"][0]["type"] == "tool_use"
+    assert history[2]["content"][0]["type"] == "tool_result"
+    assert history[2]["content"][0]["tool_use_id"] == history[1]["content"][0]["id"]
+    assert json.loads(history[2]["content"][0]["content"])["return_code"] == 0
+
+
+def test_a_client_tool_ends_the_turn_and_the_next_request_continues(anthropic_client, upstream):
+    weather = {"name": "get_weather", "description": "Weather for a city.",
+               "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    upstream.script(anthropic_turn(bash("echo Paris"), tool_use("get_weather", {"city": "Paris"},
+                                                                id="toolu_weather")))
+    message = ask(anthropic_client, tools=(TOOL, weather))
+    assert message.stop_reason == "tool_use"
+    assert [b.type for b in message.content] == [
+        "server_tool_use", "tool_use", "bash_code_execution_tool_result"]
+    assert message.content[1].id == "toolu_weather" and message.content[1].name == "get_weather"
+    upstream.script(lambda body: anthropic_turn(text("weather: " + body["messages"][-1]["content"][-1]["content"])))
+    follow = anthropic_client.messages.create(
+        model="claude-test", max_tokens=256, tools=[TOOL, weather], container=message.container.id,
+        messages=[{"role": "user", "content": "go"},
+                  {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_weather",
+                                                "content": "sunny"}]}])
+    assert follow.content[-1].text == "weather: sunny"
+    history = upstream.requests[1].body["messages"]
+    # Each call the model made has its result in the turn after it.
+    uses = [b["id"] for m in history if m["role"] == "assistant" for b in m["content"]
+            if b["type"] == "tool_use"]
+    results = [b["tool_use_id"] for m in history if m["role"] == "user" for b in m["content"]
+               if isinstance(b, dict) and b.get("type") == "tool_result"]
+    assert sorted(uses) == sorted(results) and "toolu_weather" in results
+
+
+def test_the_container_is_reused_across_requests_after_its_sandbox_stopped(anthropic_client, upstream, gateway):
+    container = a_container()
+    upstream.script(anthropic_turn(tool_use("bash_code_execution",
+                                            {"command": "echo $RANDOM > /home/agent/workspace/number.txt; cat /home/agent/workspace/number.txt"})),
+                    anthropic_turn(text("written")))
+    first = ask(anthropic_client, container=container)
+    assert first.container.id == container
+    number = first.content[1].content.stdout.strip()
+    # The gateway server stops a container's sandbox after 2 idle seconds.
+    time.sleep(4)
+    upstream.script(anthropic_turn(bash("cat /home/agent/workspace/number.txt; ps -e | wc -l")),
+                    lambda body: anthropic_turn(text(last_result(body)["stdout"].split()[0])))
+    second = ask(anthropic_client, container=container)
+    assert second.content[-1].text == number
+    # The same id from another tenant is another container altogether.
+    other = anthropic.Anthropic(base_url=gateway.url, api_key=OTHER_TOKEN, max_retries=0)
+    upstream.script(anthropic_turn(bash("cat /home/agent/workspace/number.txt")),
+                    lambda body: anthropic_turn(text(str(last_result(body)["return_code"]))))
+    assert ask(other, container=container).content[-1].text != "0"
+
+
+def test_without_a_container_the_users_own_container_is_used(anthropic_client, upstream):
+    upstream.script(anthropic_turn(bash("echo kept > mine.txt")), anthropic_turn(text("ok")))
+    first = ask(anthropic_client)
+    upstream.script(anthropic_turn(bash("cat mine.txt")),
+                    lambda body: anthropic_turn(text(last_result(body)["stdout"])))
+    second = ask(anthropic_client)
+    assert second.container.id == first.container.id and second.content[-1].text == "kept\n"
+
+
+def test_a_container_upload_lands_in_uploads(anthropic_client, upstream):
+    uploaded = anthropic_client.beta.files.upload(file=("sales.csv", b"month,revenue\njan,3\nfeb,4\n",
+                                                        "text/csv"))
+    upstream.script(anthropic_turn(bash("cat /mnt/user-data/uploads/sales.csv; touch /mnt/user-data/uploads/x")),
+                    lambda body: anthropic_turn(text(last_result(body)["stdout"])))
+    message = anthropic_client.messages.create(
+        model="claude-test", max_tokens=256, tools=[TOOL], container=a_container(),
+        messages=[{"role": "user", "content": [
+            {"type": "container_upload", "file_id": uploaded.id},
+            {"type": "text", "text": "total revenue?"}]}])
+    result = message.content[1].content
+    assert result.stdout == "month,revenue\njan,3\nfeb,4\n" and "Read-only" in result.stderr
+    # The upstream got a note of where the file is, not a block it does not know.
+    sent = upstream.requests[0].body["messages"][0]["content"]
+    assert sent[0] == {"type": "text", "text": "[The user uploaded sales.csv: it is at "
+                                                "/mnt/user-data/uploads/sales.csv]"}
+    with pytest.raises(anthropic.NotFoundError):
+        anthropic_client.messages.create(
+            model="claude-test", max_tokens=256, tools=[TOOL],
+            messages=[{"role": "user", "content": [{"type": "container_upload", "file_id": "file-nope"}]}])
+
+
+def test_a_produced_png_downloads_with_the_sdk(anthropic_client, upstream):
+    upstream.script(anthropic_turn(bash("cat > /tmp/chart.py <<'EOF'\n" + PNG_CODE + "\nEOF\npython3 /tmp/chart.py")),
+                    anthropic_turn(text("chart saved")))
+    message = ask(anthropic_client, container=a_container())
+    result = message.content[1].content
+    assert result.stdout == "saved\n", result
+    assert len(result.content) == 1 and result.content[0].type == "bash_code_execution_output"
+    file_id = result.content[0].file_id
+    metadata = anthropic_client.beta.files.retrieve_metadata(file_id)
+    assert metadata.filename == "chart.png" and metadata.mime_type == "image/png"
+    data = anthropic_client.beta.files.download(file_id).read()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) == metadata.size_bytes
+    # The model was told where the file is.
+    assert last_result(upstream.requests[1].body)["files"] == ["/mnt/user-data/outputs/chart.png"]
+    # Another tenant cannot fetch it.
+    other = anthropic.Anthropic(base_url=str(anthropic_client.base_url), api_key=OTHER_TOKEN)
+    with pytest.raises(anthropic.NotFoundError):
+        other.beta.files.download(file_id)
+
+
+def test_skills_are_mounted_read_only(gateway_factory, upstream, tmp_path_factory):
+    skills = tmp_path_factory.mktemp("skills")
+    for name, body in (("pdf", "# PDF skill\nUse pypdf.\n"), ("xlsx", "# Spreadsheets\n")):
+        (skills / name).mkdir()
+        (skills / name / "SKILL.md").write_text(body)
+    server = gateway_factory(skills_dir=str(skills))
+    client = anthropic.Anthropic(base_url=server.url, api_key=CLIENT_TOKEN, max_retries=0)
+    container = {"id": a_container(), "skills": [{"type": "custom", "skill_id": "pdf", "version": "latest"}]}
+    upstream.script(anthropic_turn(bash("ls /mnt/skills; cat /mnt/skills/pdf/SKILL.md; touch /mnt/skills/pdf/x")),
+                    anthropic_turn(text("ok")))
+    message = client.beta.messages.create(model="claude-test", max_tokens=128, tools=[TOOL],
+                                          container=container, betas=["skills-2025-10-02"],
+                                          messages=[{"role": "user", "content": "go"}])
+    result = message.content[1].content
+    assert result.stdout == "pdf\n# PDF skill\nUse pypdf.\n"
+    assert "Read-only" in result.stderr
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.beta.messages.create(model="claude-test", max_tokens=128, tools=[TOOL],
+                                    container={"id": a_container(), "skills": [{"type": "custom",
+                                                                                "skill_id": "nope"}]},
+                                    messages=[{"role": "user", "content": "go"}])
+    assert "nope" in str(refused.value)
+
+
+def test_the_legacy_tool_runs_python_with_state(anthropic_client, upstream):
+    upstream.script(anthropic_turn(tool_use("code_execution", {"code": "x = 41"})),
+                    anthropic_turn(tool_use("code_execution", {"code": "print(x + 1)"})),
+                    lambda body: anthropic_turn(text(last_result(body)["stdout"])))
+    message = ask(anthropic_client, tools=(LEGACY,), container=a_container())
+    assert {t["name"] for t in upstream.requests[0].body["tools"]} == {"code_execution"}
+    results = [b for b in message.content if b.type == "code_execution_tool_result"]
+    assert len(results) == 2 and results[1].content.type == "code_execution_result"
+    assert results[1].content.stdout == "42\n" and results[1].content.return_code == 0
+    assert message.content[0].type == "server_tool_use" and message.content[0].name == "code_execution"
+    assert message.content[-1].text == "42\n"
+
+
+# -- errors and edges ---------------------------------------------------------------------------
+@pytest.mark.parametrize("status, error", [(429, anthropic.RateLimitError),
+                                           (500, anthropic.InternalServerError),
+                                           (400, anthropic.BadRequestError)])
+def test_upstream_errors_pass_through(anthropic_client, upstream, status, error):
+    upstream.fail(status, headers={"retry-after-ms": "10"}, message=f"upstream says {status}")
+    with pytest.raises(error) as failure:
+        ask(anthropic_client)
+    assert failure.value.status_code == status
+    assert f"upstream says {status}" in str(failure.value)
+    assert failure.value.request_id
+    upstream.fail(status, message=f"upstream says {status}")
+    with pytest.raises(error):
+        with anthropic_client.messages.stream(model="claude-test", max_tokens=64, tools=[TOOL],
+                                              messages=[{"role": "user", "content": "go"}]) as stream:
+            stream.get_final_message()
+
+
+def test_a_client_that_disconnects_stops_the_loop(anthropic_client, upstream, gateway):
+    container = a_container()
+    upstream.script(anthropic_turn(bash("sleep 4; touch /mnt/user-data/outputs/late.txt")),
+                    anthropic_turn(text("never asked")))
+    with httpx.Client(base_url=gateway.url, timeout=30,
+                      headers={"Authorization": f"Bearer {CLIENT_TOKEN}"}) as http:
+        with http.stream("POST", "/v1/messages", json={
+                "model": "claude-test", "max_tokens": 64, "stream": True, "tools": [TOOL],
+                "container": container, "messages": [{"role": "user", "content": "go"}]}) as response:
+            for line in response.iter_lines():
+                if "server_tool_use" in line:
+                    break  # the call is running: go away
+    time.sleep(7)
+    assert len(upstream.requests) == 1, "the loop asked the model again after the client left"
+    listed = httpx.get(f"{gateway.url}/v1/files", params={"scope_id": container},
+                       headers={"Authorization": f"Bearer {CLIENT_TOKEN}"}).json()
+    assert "late.txt" not in [f["filename"] for f in listed["data"]], "the call outlived its client"
+
+
+def test_requests_without_the_tool_pass_through_unchanged(anthropic_client, upstream):
+    upstream.script(anthropic_turn(text("plain answer")), anthropic_turn(text("streamed answer")))
+    body = {"model": "claude-test", "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}],
+            "metadata": {"user_id": "u1"}, "top_k": 3, "unknown_future_field": {"kept": True}}
+    fields = {k: v for k, v in body.items() if k in ("model", "max_tokens", "messages", "metadata")}
+    extra = {k: v for k, v in body.items() if k not in fields}
+    message = anthropic_client.messages.create(**fields, extra_body=extra)
+    assert message.content[0].text == "plain answer"
+    assert upstream.requests[0].body == body
+    assert upstream.requests[0].headers["x-api-key"] == OPERATOR_KEY
+    with anthropic_client.messages.stream(**fields, extra_body=extra) as stream:
+        assert stream.get_final_message().content[0].text == "streamed answer"
+    assert upstream.requests[1].body == {**body, "stream": True}
+
+
+def test_no_upstream_is_a_clear_anthropic_error(gateway_factory):
+    server = gateway_factory(upstream_anthropic_url="", upstream_openai_url="")
+    client = anthropic.Anthropic(base_url=server.url, api_key=CLIENT_TOKEN, max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as failure:
+        ask(client)
+    assert failure.value.status_code == 501
+    assert "SHOAL_UPSTREAM_ANTHROPIC_URL" in str(failure.value)
+    assert failure.value.body["type"] == "error"
+
+
+def test_bad_requests_are_anthropic_errors(anthropic_client, gateway):
+    with pytest.raises(anthropic.BadRequestError) as failure:
+        anthropic_client.messages.create(model="m", max_tokens=8, messages=[],
+                                         tools=[TOOL])
+    assert failure.value.body["error"]["type"] == "invalid_request_error"
+    raw = httpx.post(f"{gateway.url}/v1/messages", content=b"{not json",
+                     headers={"Authorization": f"Bearer {CLIENT_TOKEN}"})
+    assert raw.status_code == 400 and raw.json()["type"] == "error"
+    assert raw.headers["request-id"] == raw.json()["request_id"]
+    unauthenticated = httpx.post(f"{gateway.url}/v1/messages", json={})
+    assert unauthenticated.status_code == 401
+    assert unauthenticated.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.BadRequestError):
+        ask(anthropic_client, tools=(TOOL, {"name": "bash_code_execution", "input_schema": {"type": "object"}}))
+
+
+def test_validate_runs_nothing(anthropic_client, upstream, gateway):
+    headers = {"Authorization": f"Bearer {CLIENT_TOKEN}"}
+    body = {"model": "default", "max_tokens": 64, "tools": [ZYLON],
+            "messages": [{"role": "user", "content": "hi"}], "container": "validated-only"}
+    answer = httpx.post(f"{gateway.url}/api/gpt/v1/messages/validate", json=body, headers=headers)
+    assert answer.status_code == 200 and answer.json()["valid"] is True
+    assert answer.json()["upstream_tools"] == ["bash_code_execution", "text_editor_code_execution"]
+    assert upstream.requests == []
+    assert httpx.get(f"{gateway.url}/v1/containers/validated-only", headers=headers).status_code == 404
+    bad = httpx.post(f"{gateway.url}/v1/messages/validate", headers=headers,
+                     json={**body, "messages": [{"role": "user", "content": [
+                         {"type": "container_upload", "file_id": "file-missing"}]}]})
+    assert bad.status_code == 404 and bad.json()["type"] == "error"
+
+
+def test_the_beta_client_and_the_old_query_form(anthropic_client, upstream, gateway):
+    upstream.script(anthropic_turn(bash("echo beta")), anthropic_turn(text("b")))
+    message = anthropic_client.beta.messages.create(
+        model="claude-test", max_tokens=64, tools=[TOOL], betas=["code-execution-2025-08-25"],
+        messages=[{"role": "user", "content": "go"}])
+    assert message.content[1].content.stdout == "beta\n"
+    assert upstream.requests[0].headers["anthropic-beta"] == "code-execution-2025-08-25"
+    upstream.script(anthropic_turn(text("old")))
+    old = httpx.post(f"{gateway.url}/v1/messages?beta=true", headers={"x-api-key": CLIENT_TOKEN,
+                                                                      "anthropic-version": "2023-06-01"},
+                     json={"model": "m", "max_tokens": 8, "tools": [TOOL],
+                           "messages": [{"role": "user", "content": "hi"}]})
+    assert old.status_code == 200 and old.json()["content"][0]["text"] == "old"
+
+
+def test_files_list_pages_the_way_the_sdk_iterates(anthropic_client):
+    ids = [anthropic_client.beta.files.upload(file=(f"f{i}.txt", b"x")).id for i in range(5)]
+    listed = [f.id for f in anthropic_client.beta.files.list(limit=1)]
+    assert [i for i in listed if i in ids] == ids
+    page = anthropic_client.beta.files.list(limit=2)
+    assert len(page.data) == 2 and page.next_page is not None
+    only = anthropic_client.get("/v1/files", cast_to=object, options={
+        "params": {"ids": ids[1:3]}, "headers": {"anthropic-version": "2023-06-01"}})
+    assert [f["id"] for f in only["data"]] == ids[1:3]
+    for file_id in ids:
+        assert anthropic_client.beta.files.delete(file_id).type == "file_deleted"
+
+
+# -- Zylon's documentation, as written ------------------------------------------------------------
+def test_zylon_quick_start(gateway, upstream):
+    upstream.script(anthropic_turn(bash("python3 -c 'import statistics as s; d=list(range(1,11)); print(s.mean(d), round(s.pstdev(d), 4))'")),
+                    lambda body: anthropic_turn(text("mean and sd: " + last_result(body)["stdout"])))
+    response = httpx.post(f"{gateway.url}/api/gpt/v1/messages", headers={
+        "Authorization": f"Bearer {CLIENT_TOKEN}", "Content-Type": "application/json"}, json={
+        "model": "default", "max_tokens": 4096,
+        "messages": [{"role": "user", "content": "Calculate the mean and standard deviation of [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]"}],
+        "tools": [{"name": "code_execution", "type": "code_execution_v1"}]}, timeout=60)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["content"][-1]["text"] == "mean and sd: 5.5 2.8723\n"
+    assert body["container"]["id"] and body["container"]["expires_at"].endswith("Z")
+
+
+def test_zylon_two_request_my_container_example(gateway, upstream):
+    headers = {"Authorization": f"Bearer {CLIENT_TOKEN}", "Content-Type": "application/json"}
+    container = f"my-container-{uuid.uuid4().hex[:6]}"
+
+    def request(content):
+        return httpx.post(f"{gateway.url}/api/gpt/v1/messages", headers=headers, timeout=60, json={
+            "model": "default", "max_tokens": 4096, "container": container,
+            "messages": [{"role": "user", "content": content}],
+            "tools": [{"name": "code_execution", "type": "code_execution_v1"}]}).json()
+
+    upstream.script(anthropic_turn(bash("echo 7 > /home/agent/workspace/number.txt")),
+                    anthropic_turn(text("written")))
+    first = request("Write a random number to /home/agent/workspace/number.txt")
+    assert first["container"]["id"] == container
+    upstream.script(anthropic_turn(bash("n=$(cat /home/agent/workspace/number.txt); echo $((n * n))")),
+                    lambda body: anthropic_turn(text(last_result(body)["stdout"].strip())))
+    second = request("Read /home/agent/workspace/number.txt and square the number")
+    assert second["content"][-1]["text"] == "49"
+
+
+def test_zylon_end_to_end_python_example(gateway, upstream, tmp_path):
+    base = f"{gateway.url}/api/gpt/v1"
+    headers = {"Authorization": f"Bearer {CLIENT_TOKEN}"}
+    container = f"sales-analysis-{uuid.uuid4().hex[:6]}"
+    sales = tmp_path / "sales.csv"
+    sales.write_text("month,revenue\n2026-07,10\n2026-08,30\n2026-09,20\n")
+    with open(sales, "rb") as f:
+        httpx.post(f"{base}/files", params={"scope_id": container}, headers=headers,
+                   files={"file": ("sales.csv", f)}).raise_for_status()
+    chart = ("import pandas as pd, matplotlib.pyplot as plt\n"
+             "df = pd.read_csv('/mnt/user-data/uploads/sales.csv')\n"
+             "df.plot(x='month', y='revenue'); plt.savefig('/mnt/user-data/outputs/revenue.png')\n"
+             "print(df.revenue.sum())")
+    upstream.script(anthropic_turn(editor(command="create", path="/tmp/chart.py", file_text=chart)),
+                    anthropic_turn(bash("python3 /tmp/chart.py")),
+                    lambda body: anthropic_turn(text(f"Total revenue {last_result(body)['stdout'].strip()}; "
+                                                     "chart at /mnt/user-data/outputs/revenue.png")))
+    response = httpx.post(f"{base}/messages", headers=headers, timeout=60, json={
+        "model": "default", "max_tokens": 4096, "container": container,
+        "messages": [{"role": "user", "content": "Analyze /mnt/user-data/uploads/sales.csv and save a "
+                                                 "revenue chart to /mnt/user-data/outputs/revenue.png"}],
+        "tools": [{"name": "code_execution", "type": "code_execution_v1"}]}).json()
+    assert response["content"][-1]["text"].startswith("Total revenue 60;")
+    files = httpx.get(f"{base}/files", params={"scope_id": container}, headers=headers).json()
+    downloaded = {}
+    for item in files["data"]:
+        if item["downloadable"]:
+            content = httpx.get(f"{base}/files/{item['id']}/content", params={"scope_id": container},
+                                headers=headers)
+            downloaded[item["filename"]] = content.content
+    assert list(downloaded) == ["revenue.png"] and downloaded["revenue.png"].startswith(b"\x89PNG")
+    for item in files["data"]:
+        httpx.delete(f"{base}/files/{item['id']}", params={"scope_id": container},
+                     headers=headers).raise_for_status()
+    assert httpx.get(f"{base}/files", params={"scope_id": container}, headers=headers).json()["data"] == []
