@@ -78,7 +78,8 @@ async def create_message(request: Request, tenant: str = Depends(tenant_of)) -> 
                 pass
         except UpstreamError as exc:
             return upstream_error(request, exc)
-        return json_response(adapter.message())
+        return json_response(adapter.message(),
+                             headers={"server-timing": loop.timing.server_timing()})
     iterator = events.__aiter__()
     try:
         first = await _next_chunk(iterator)

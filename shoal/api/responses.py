@@ -60,7 +60,8 @@ async def create_response(request: Request, tenant: str = Depends(tenant_of)) ->
                 pass
         except UpstreamError as exc:
             return upstream_error(request, exc)
-        return json_response(session.adapter.response())
+        return json_response(session.adapter.response(),
+                             headers={"server-timing": session.loop.timing.server_timing()})
     iterator = events.__aiter__()
     try:
         first = await _next_chunk(iterator)

@@ -30,7 +30,7 @@ from shoal.sessions import scoped_file_id
 from shoal.storage import ContainerRecord
 
 from .engine import Turn, ToolUse
-from .upstream import Upstream
+from .upstream import Timing, Upstream
 
 STRICT, ZYLON, LEGACY = "strict", "zylon", "legacy"
 CODE_TOOL_TYPES = {
@@ -273,6 +273,7 @@ class AnthropicAdapter:
                  container_expiry: "callable") -> None:
         self.request = request
         self.upstream = upstream
+        self.timing = Timing()
         self.container = container
         self.history = history
         self.incoming = incoming_headers
@@ -313,7 +314,7 @@ class AnthropicAdapter:
         turn = Turn()
         blocks: dict[int, dict] = {}
         turn_output = 0
-        async for _, data in self.upstream.events("/v1/messages", body, self.incoming):
+        async for _, data in self.upstream.events("/v1/messages", body, self.incoming, self.timing):
             kind = data.get("type")
             if kind == "message_start":
                 message = data.get("message") or {}

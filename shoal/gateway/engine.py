@@ -23,6 +23,8 @@ from typing import AsyncIterator, Protocol
 
 from shoal.runs import Run, RunManager, RunRequest
 
+from .upstream import Timing
+
 log = logging.getLogger("shoal.gateway")
 
 # While the sandbox works, a streaming client still hears from us this often.
@@ -58,6 +60,9 @@ class Paused:
 class Adapter(Protocol):
     """What a dialect supplies to the engine."""
 
+    #: Where the request's time goes; the adapter adds its upstream waits.
+    timing: Timing
+
     def upstream_turn(self) -> AsyncIterator[object]:
         """Call the model once; yields client events as they come, and finally a Turn."""
 
@@ -89,6 +94,7 @@ class ToolLoop:
         self.executions = 0
         self.paused: Paused | None = None
         self._active: Run | None = None
+        self.timing = adapter.timing
 
     async def events(self, resume: Paused | None = None) -> AsyncIterator[object]:
         """Every client event of this request, in order. ``resume`` continues a
@@ -171,6 +177,9 @@ class ToolLoop:
                 yield event
             return
         self._active = None
+        if run.result is not None:
+            self.timing.sandbox += run.result.execution_time_ms / 1000
+        self.timing.round_trips += 1
         for event in await self.adapter.tool_result(use, run, None):
             yield event
 

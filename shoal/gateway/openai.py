@@ -33,7 +33,7 @@ from shoal.sessions import ContainerFile
 from shoal.storage import ContainerRecord
 
 from .engine import Paused, ToolUse, Turn
-from .upstream import Upstream
+from .upstream import Timing, Upstream
 
 CODE_INTERPRETER, CARONTE = "code_interpreter", "caronte:code_execution"
 CI_FUNCTION, CARONTE_FUNCTION = "code_interpreter", "code_execution"
@@ -187,6 +187,7 @@ class OpenAIAdapter:
                  containers, read_file, incoming: dict[str, str]) -> None:
         self.request = request
         self.upstream = upstream
+        self.timing = Timing()
         self.conversation = conversation
         # async (kind, tool) -> ContainerRecord | None: a call's container, made when first needed
         self._containers = containers
@@ -251,7 +252,7 @@ class OpenAIAdapter:
         turn = Turn()
         items: dict[int, dict] = {}
         completed = None
-        async for name, data in self.upstream.events("/v1/responses", body, self.incoming):
+        async for name, data in self.upstream.events("/v1/responses", body, self.incoming, self.timing):
             kind = data.get("type", name)
             index = data.get("output_index")
             if kind == "response.output_item.added":

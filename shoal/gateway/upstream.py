@@ -14,6 +14,7 @@ and an unreachable upstream is a 502 with the reason.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -61,6 +62,24 @@ class UpstreamNotConfigured(Exception):
 
 
 @dataclass
+class Timing:
+    """Where one gateway request's time went: waiting for the upstream, running
+    code in the sandbox, and the rest (the gateway's own work)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    upstream: float = 0.0
+    sandbox: float = 0.0
+    round_trips: int = 0
+
+    def server_timing(self) -> str:
+        """The request's figures as an HTTP ``Server-Timing`` header value."""
+        total = time.perf_counter() - self.started
+        gateway = max(0.0, total - self.upstream - self.sandbox)
+        return (f"upstream;dur={self.upstream * 1000:.3f}, sandbox;dur={self.sandbox * 1000:.3f}, "
+                f"gateway;dur={gateway * 1000:.3f};desc=\"{self.round_trips} round trips\"")
+
+
+@dataclass
 class Upstream:
     """One provider endpoint: its base URL (without ``/v1``), key and dialect."""
 
@@ -95,10 +114,13 @@ class Upstream:
         return headers
 
     # -- the tool loop's calls: always streamed ----------------------------------------------
-    async def events(self, path: str, body: dict,
-                     incoming: dict[str, str] | None = None) -> AsyncIterator[tuple[str, dict]]:
+    async def events(self, path: str, body: dict, incoming: dict[str, str] | None = None,
+                     timing: Timing | None = None) -> AsyncIterator[tuple[str, dict]]:
         """``(event name, data)`` of a streamed call; UpstreamError before the first
-        event if the upstream refuses, or in the middle if the stream breaks."""
+        event if the upstream refuses, or in the middle if the stream breaks. The
+        time spent waiting for the upstream is added to ``timing``."""
+        timing = timing or Timing()
+        waited_since = time.perf_counter()
         try:
             async with aconnect_sse(self.client, "POST", self.url(path),
                                     json={**body, "stream": True},
@@ -109,6 +131,8 @@ class Upstream:
                     raise UpstreamError(response.status_code, _body_of(response),
                                         _headers_of(response))
                 async for sse in source.aiter_sse():
+                    now = time.perf_counter()
+                    timing.upstream += now - waited_since
                     if not sse.data or sse.data == "[DONE]":
                         continue
                     try:
@@ -120,9 +144,11 @@ class Upstream:
                         continue
                     name = sse.event if sse.event and sse.event != "message" else str(
                         data.get("type", ""))
-                    if name == "error" or (self.dialect == "openai" and name == "error"):
+                    if name == "error":
                         raise UpstreamError(502, data)
                     yield name, data
+                    waited_since = time.perf_counter()
+                timing.upstream += time.perf_counter() - waited_since
         except httpx.HTTPError as exc:
             raise UpstreamError(502, f"the upstream model could not be reached: {exc}") from None
 
