@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 import uvicorn
@@ -73,5 +74,18 @@ def serve(settings: Settings) -> int:
         timeout_keep_alive=settings.keep_alive_seconds)
     server = uvicorn.Server(config)
     print(f"shoal: serving on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
-    server.run()
-    return 0 if server.started else 1
+    try:
+        server.run()
+    except SystemExit:
+        if server.started:
+            raise
+        # uvicorn's way out when the app's start-up failed; handled below
+    if not server.started:
+        # Start-up failed after the checks above passed (the first sandbox could not be
+        # launched: isolation they cannot see is unavailable). Fail closed at once: what
+        # the failed start had opened (the metadata store's worker thread) would
+        # otherwise keep this process alive, never serving and never exiting.
+        print("shoal: refusing to serve: start-up failed (the error is above)",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+    return 0
