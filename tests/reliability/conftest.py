@@ -295,73 +295,118 @@ def sandbox_uid(http: httpx.Client, session_id: str) -> int:
 class Responsiveness:
     """Probes the server from a thread while an attack runs elsewhere.
 
-    Each round times ``GET /health`` and a trivial exec in a session of its own
-    (not the attacked one); ``check()`` then says whether every probe answered
-    correctly and within its bound.
+    Each round times ``GET /health`` and a trivial exec in a session of its own (not
+    the attacked one). Before the attack, ``BASELINE_ROUNDS`` rounds measure what the
+    probes take on this machine at this moment; during the attack every probe must
+    answer correctly and within a bound relative to that baseline: ``SLOWDOWN`` times
+    the slowest baseline probe, and never less than a floor of a few seconds. A
+    server that stalls (a blocked event loop, a starved worker) fails; a machine
+    that is merely busy does not. (The latency figures themselves belong to bench/.)
+
+    The probe is sure to overlap the attack: ``__enter__`` returns once its first
+    round is under way, and ``__exit__`` waits for the round in progress to end, so
+    a server that hangs during the attack leaves a probe that never comes back.
     """
 
-    def __init__(self, server: Server, health_bound: float = 1.0, exec_bound: float = 2.0,
-                 pause: float = 0.1) -> None:
+    BASELINE_ROUNDS = 5
+    SLOWDOWN = 20.0
+    HEALTH_FLOOR = 5.0
+    EXEC_FLOOR = 10.0
+    JOIN_SECONDS = 90.0
+
+    def __init__(self, server: Server, pause: float = 0.1) -> None:
         self.server = server
-        self.health_bound = health_bound
-        self.exec_bound = exec_bound
         self.pause = pause
         self.health: list[float] = []
         self.execs: list[float] = []
+        self.rounds: list[tuple[float, float]] = []  # (started, ended), monotonic
         self.failures: list[str] = []
         self._stop = threading.Event()
+        self._started = threading.Event()
         self._thread: threading.Thread | None = None
-        self._http = server.client(timeout=30)
+        self._entered = self._exited = 0.0
+        self._http = server.client(timeout=60)
         self.session_id = create_session(self._http)
         python(self._http, self.session_id, "print(1)")  # warm
+        baseline_health: list[float] = []
+        baseline_execs: list[float] = []
+        for _ in range(self.BASELINE_ROUNDS):
+            health, execution = self._round()
+            baseline_health.append(health)
+            baseline_execs.append(execution)
+        assert not self.failures, f"the probes failed before the attack: {self.failures[:5]}"
+        self.baseline = {"health": max(baseline_health), "exec": max(baseline_execs)}
+        self.health_bound = max(self.HEALTH_FLOOR, self.SLOWDOWN * self.baseline["health"])
+        self.exec_bound = max(self.EXEC_FLOOR, self.SLOWDOWN * self.baseline["exec"])
+
+    def _round(self) -> tuple[float, float]:
+        """One health probe and one neighbour exec; their latencies (a failure is
+        recorded in ``failures``)."""
+        health = execution = float("nan")
+        try:
+            started = time.monotonic()
+            response = self._http.get("/health")
+            health = time.monotonic() - started
+            if response.status_code != 200 or response.json().get("status") != "ok":
+                self.failures.append(f"health: {response.status_code} {response.text[:200]}")
+            started = time.monotonic()
+            response = self._http.post(f"/sessions/{self.session_id}/exec", json={
+                "tool": "code_execution", "input": {"code": "print(6 * 7)"}})
+            execution = time.monotonic() - started
+            if response.status_code != 200:
+                self.failures.append(f"exec: {response.status_code} {response.text[:200]}")
+            else:
+                content = response.json()["result_block"]["content"]
+                if content["stdout"] != "42\n" or content["return_code"] != 0:
+                    self.failures.append(f"exec answered wrongly: {content}")
+        except Exception as exc:  # any transport failure is a failure of the probe
+            self.failures.append(f"{type(exc).__name__}: {exc}")
+        return health, execution
 
     def _probe(self) -> None:
         while not self._stop.is_set():
-            try:
-                started = time.monotonic()
-                response = self._http.get("/health")
-                self.health.append(time.monotonic() - started)
-                if response.status_code != 200 or response.json().get("status") != "ok":
-                    self.failures.append(f"health: {response.status_code} {response.text[:200]}")
-                started = time.monotonic()
-                response = self._http.post(f"/sessions/{self.session_id}/exec", json={
-                    "tool": "code_execution", "input": {"code": "print(6 * 7)"}})
-                self.execs.append(time.monotonic() - started)
-                if response.status_code != 200:
-                    self.failures.append(f"exec: {response.status_code} {response.text[:200]}")
-                else:
-                    content = response.json()["result_block"]["content"]
-                    if content["stdout"] != "42\n" or content["return_code"] != 0:
-                        self.failures.append(f"exec answered wrongly: {content}")
-            except Exception as exc:  # any transport failure is a failure of the probe
-                self.failures.append(f"{type(exc).__name__}: {exc}")
+            started = time.monotonic()
+            self._started.set()
+            health, execution = self._round()
+            self.health.append(health)
+            self.execs.append(execution)
+            self.rounds.append((started, time.monotonic()))
             self._stop.wait(self.pause)
 
     def __enter__(self) -> "Responsiveness":
         self._thread = threading.Thread(target=self._probe, name="responsiveness", daemon=True)
         self._thread.start()
+        self._started.wait()
+        self._entered = time.monotonic()
         return self
 
     def __exit__(self, *exc_info) -> None:
+        self._exited = time.monotonic()
         self._stop.set()
         assert self._thread is not None
-        self._thread.join(60)
-        try:
-            self._http.delete(f"/sessions/{self.session_id}")
-        finally:
-            self._http.close()
+        self._thread.join(self.JOIN_SECONDS)
+        if not self._thread.is_alive():
+            try:
+                self._http.delete(f"/sessions/{self.session_id}")
+            finally:
+                self._http.close()
 
     def summary(self) -> str:
         def worst(samples: list[float]) -> str:
             return f"{max(samples) * 1000:.0f} ms" if samples else "none"
-        return (f"{len(self.health)} health probes (worst {worst(self.health)}), "
-                f"{len(self.execs)} neighbour execs (worst {worst(self.execs)})")
+        return (f"{len(self.health)} health probes (worst {worst(self.health)}, baseline "
+                f"{self.baseline['health'] * 1000:.0f} ms, bound {self.health_bound:.1f} s), "
+                f"{len(self.execs)} neighbour execs (worst {worst(self.execs)}, baseline "
+                f"{self.baseline['exec'] * 1000:.0f} ms, bound {self.exec_bound:.1f} s)")
 
-    def check(self, min_rounds: int = 3) -> None:
+    def check(self) -> None:
+        assert self._thread is not None and not self._thread.is_alive(), \
+            f"a probe did not come back within {self.JOIN_SECONDS:.0f}s of the attack's end"
         assert not self.failures, f"probes failed during the attack: {self.failures[:5]}"
-        assert len(self.execs) >= min_rounds, \
-            f"too few probes ran during the attack: {self.summary()}"
+        overlapping = [r for r in self.rounds if r[0] <= self._exited and r[1] >= self._entered]
+        assert overlapping, f"no probe ran during the attack: {self.summary()}"
         slow_health = [t for t in self.health if t >= self.health_bound]
         slow_execs = [t for t in self.execs if t >= self.exec_bound]
-        assert not slow_health, f"health slower than {self.health_bound}s: {self.summary()}"
-        assert not slow_execs, f"neighbour exec slower than {self.exec_bound}s: {self.summary()}"
+        assert not slow_health, f"health slower than {self.health_bound:.1f}s: {self.summary()}"
+        assert not slow_execs, \
+            f"neighbour exec slower than {self.exec_bound:.1f}s: {self.summary()}"

@@ -1,8 +1,10 @@
 """Resource exhaustion through the HTTP API, while the server is watched from outside.
 
 Each attack runs in one session of a real server; meanwhile a thread probes the
-server: ``GET /health`` must answer within 1 s and a trivial exec in another
-session within 2 s, every time, for as long as the attack runs. Each test then
+server: ``GET /health`` and a trivial exec in another session must answer
+correctly every time, for as long as the attack runs, and within a generous bound
+relative to what they took just before the attack (``conftest.Responsiveness``;
+the latency figures themselves are bench/ material, not assertions). Each test then
 checks that the attack was contained (stopped at the sandbox's own limit, the
 host and other sessions untouched), that the limit that fired is reported in
 the exec response's ``limits``, and that the attacked session is usable again.
@@ -146,7 +148,7 @@ def test_a_bomb_left_running_after_its_call_is_contained_and_dies_with_the_sessi
     assert wait_for_no_processes({uid}) == []
 
 
-def _sandbox_settles(uid: int, at_most: int = 3, timeout: float = 5.0) -> list[dict]:
+def _sandbox_settles(uid: int, at_most: int = 3, timeout: float = 30.0) -> list[dict]:
     """Wait until a sandbox runs no more than its own processes (outer bwrap, its
     init, the agent); returns what still runs beyond that."""
     deadline = time.monotonic() + timeout
@@ -242,9 +244,14 @@ def test_cpu_spinners_get_one_core_and_time_out(server, http, victim):
 
     def measure() -> None:
         time.sleep(1.5)  # the four spinners are up
-        first, at = _cpu_seconds(uid), time.monotonic()
+        # Each reading is bracketed by the clock and the rate divides by the widest
+        # window it may span: a delay of this thread (a busy machine) can only lower
+        # the figure, never push it over the quota.
+        window_opens = time.monotonic()
+        first = _cpu_seconds(uid)
         time.sleep(2)
-        rates.append((_cpu_seconds(uid) - first) / (time.monotonic() - at))
+        second = _cpu_seconds(uid)
+        rates.append((second - first) / (time.monotonic() - window_opens))
 
     meter = threading.Thread(target=measure)
     with Responsiveness(server) as probe:
@@ -368,7 +375,12 @@ def test_open_files_stop_at_the_rlimit(server, http, victim):
     held, errno = map(int, result["content"]["stdout"].split())
     assert errno == 24  # EMFILE
     assert 1000 < held <= 4096
-    assert starved["content"]["return_code"] != 0 or starved["content"]["stdout"] == "hi\n"
+    # The agent cannot create the pipe it starts bash with: 127, and why.
+    assert starved["content"]["return_code"] == 127, starved
+    assert starved["content"]["stdout"] == "", starved
+    assert "could not start /bin/bash" in starved["content"]["stderr"], starved
+    assert "Too many open files" in starved["content"]["stderr"], starved
+    assert starved["limits"] == [] and starved["interpreter_restarted"] is False, starved
     # The sandbox's fds are its own: the server's table did not fill.
     assert abs(_server_stats(server)["fds"] - fds_before) < 10
     freed = python(http, victim, "for f in held:\n    f.close()\ndel held\nprint('freed')")

@@ -32,6 +32,11 @@ WORKSPACE = "/home/agent/workspace"
 OUTPUTS = "/mnt/user-data/outputs"
 UPLOADS = "/mnt/user-data/uploads"
 RESTARTED = "it was restarted with the same files"
+# A server's default call timeout (``shoal serve``'s default_timeout_seconds): a fault the
+# host failed to notice would leave the call waiting at least this long.
+DEFAULT_TIMEOUT = 60
+# What every call cut by the shutdown grace answers (shoal.api.errors.ShutdownGuard).
+SHUTDOWN_DETAIL = "the server is shutting down; the call was stopped"
 
 
 @pytest.fixture
@@ -75,7 +80,11 @@ class Background:
         return self.outcome
 
 
-def _assert_restarted(answer: dict, took: float | None = None, bound: float = 10.0) -> None:
+def _assert_restarted(answer: dict, took: float | None = None,
+                      bound: float = DEFAULT_TIMEOUT / 2) -> None:
+    """The call answered that the interpreter died and was restarted; with ``took``, it
+    did so well before the wait a missed fault would cost (``bound``: half of it, so that
+    only a fault the host did not notice fails the check, never a busy machine)."""
     content = answer["content"]
     assert content["return_code"] != 0, answer
     assert "stopped unexpectedly" in content["stderr"] and RESTARTED in content["stderr"], \
@@ -143,12 +152,12 @@ def test_sandbox_process_killed_from_the_host_during_a_call(fresh, target):
         uid = sandbox_uid(http, session_id)
         _prepare(http, session_id)
         before = sandbox_processes(uid)
-        call = Background(lambda: python(http, session_id, "import time\ntime.sleep(30)"))
+        call = Background(lambda: python(http, session_id, "import time\ntime.sleep(300)"))
         time.sleep(1)
         os.kill(before[target][0]["pid"], signal.SIGKILL)
         answer = call.result()
         assert isinstance(answer, dict), answer
-        _assert_restarted(answer, call.elapsed, bound=8)
+        _assert_restarted(answer, call.elapsed)
         # The killed generation is gone, not merely abandoned.
         old = {p["pid"] for p in before["all"]}
         assert not old & {p["pid"] for p in processes_in({uid}) if p["state"] != "Z"}
@@ -166,14 +175,15 @@ def test_outer_bwrap_killed_while_idle(fresh):
         while sandbox_processes(uid)["all"] and time.monotonic() < deadline:
             time.sleep(0.05)  # the sandbox dies with its bubblewrap
         assert sandbox_processes(uid)["all"] == []
-        # The next call learns of it: a clear error, or a result; never a 500.
+        # The next call finds the channel dead: the clear error (never a 500), and its
+        # code did not run; the call after it runs in the restarted sandbox.
         response = http.post(f"/sessions/{session_id}/exec", json={
             "tool": "code_execution", "input": {"code": "print('ran')"}})
         assert response.status_code == 200, response.text[:500]
         answer = response.json()
         answer["content"] = answer["result_block"]["content"]
-        if answer["content"]["stdout"] != "ran\n":
-            _assert_restarted(answer)
+        _assert_restarted(answer)
+        assert answer["content"]["stdout"] == "", answer
         _assert_recovered(http, session_id, uid)
 
 
@@ -196,7 +206,8 @@ def test_agent_deaf_to_its_deadline_is_stopped_by_the_backstop(fresh):
         assert content["stderr"].endswith("Command timed out after 2s."), content["stderr"]
         assert answer["limits"] == ["timeout"]
         assert answer["interpreter_restarted"] is True
-        assert took < 2 + 3 + 8, f"answered after {took:.1f}s"
+        # Without the backstop the call would wait out the 1000 s sleep.
+        assert took < 60, f"answered after {took:.1f}s"
         _assert_recovered(http, session_id, uid)
 
 
@@ -246,12 +257,15 @@ def test_sigterm_lets_a_short_call_finish_on_a_container(fresh):
         assert read["content"]["stdout"] == "finished\n", read
 
 
+CALL_SECONDS = 60
+
+
 def _sigterm_beyond_grace(fresh) -> tuple[ShoalServer, Background, float]:
     server = fresh(shutdown_grace_seconds=2)
     http = server.client()
     session_id = create_session(http)
     call = Background(lambda: http.post(f"/sessions/{session_id}/exec", json={
-        "tool": "bash_code_execution", "input": {"command": "sleep 60; echo done"}}))
+        "tool": "bash_code_execution", "input": {"command": f"sleep {CALL_SECONDS}; echo done"}}))
     time.sleep(1)
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
@@ -263,23 +277,28 @@ def _sigterm_beyond_grace(fresh) -> tuple[ShoalServer, Background, float]:
     return server, call, took
 
 
+def _assert_cut_cleanly(outcome: object) -> None:
+    """The call cut at the end of the grace got ShutdownGuard's JSON 503, not a
+    hang-up, a bare 500 or the result of a call that was allowed to finish."""
+    assert isinstance(outcome, httpx.Response), f"the call got no answer: {outcome!r}"
+    assert outcome.status_code == 503, (outcome.status_code, outcome.text[:200])
+    assert outcome.headers.get("content-type", "").startswith("application/json")
+    assert outcome.json()["detail"] == SHUTDOWN_DETAIL, outcome.text[:200]
+
+
 def test_sigterm_during_a_call_longer_than_the_grace(fresh):
     server, call, took = _sigterm_beyond_grace(fresh)
     print(f"\nSIGTERM beyond the grace: the server exited after {took:.1f}s; "
           f"the call got {call.outcome!r}")
-    assert took < 2 + 10, f"the server took {took:.1f}s to exit"
+    # A server that ignored its grace would wait for the call (CALL_SECONDS).
+    assert took < CALL_SECONDS * 2 / 3, f"the server took {took:.1f}s to exit"
+    _assert_cut_cleanly(call.outcome)
     assert_nothing_left(server)
 
 
 def test_a_call_cut_by_shutdown_gets_a_clean_answer(fresh):
     _, call, _ = _sigterm_beyond_grace(fresh)
-    response = call.outcome
-    if isinstance(response, httpx.TransportError):
-        return  # the connection closed without an answer: the server went away cleanly
-    assert isinstance(response, httpx.Response), response
-    assert response.status_code in (200, 503), (response.status_code, response.text[:200])
-    assert response.headers.get("content-type", "").startswith("application/json")
-    assert "detail" in response.json() or "result_block" in response.json()
+    _assert_cut_cleanly(call.outcome)
 
 
 def _descends_from(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
