@@ -26,7 +26,8 @@ other dialects and to what those files leave out:
 | huge ``timeout_seconds`` on bash, huge lifetimes and TTLs | test_huge_timeouts_and_lifetimes_are_clamped | clamped to the ceilings, or 422 |
 | guessing session, container and file ids; near-misses of a real id | test_guessed_ids_find_nothing | 128-bit random ids, exact lookup |
 | another tenant's container and upload ids on every container route, attach by id, a session on its container id | test_another_tenants_containers_and_uploads_are_invisible | tenant in every lookup |
-| 100 KB / 1 MB Authorization, NUL and 8-bit bytes in it, 2 000 headers, conflicting lengths | test_header_abuse_is_a_client_error | 401 / 4xx, never 500 |
+| 100 KB / 1 MB Authorization, NUL and 8-bit bytes in it, 2 000 headers | test_header_abuse_is_a_client_error | 401 / 4xx, never 500 |
+| request smuggling: Content-Length and Transfer-Encoding (or two lengths, or an obfuscated Transfer-Encoding) disagreeing on where a request ends, a second request hidden behind | test_conflicting_framing_is_refused_and_smuggles_nothing | the HTTP parser: one 400, connection closed, nothing run |
 | file names with control characters (CR LF, ESC, DEL) planted by code, then downloaded | test_control_characters_in_a_file_name_do_not_break_the_download | headers carry printable ASCII only (there was no response at all: fixed) |
 """
 
@@ -36,10 +37,11 @@ import base64
 import hashlib
 import json
 import secrets
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 import pytest
@@ -292,7 +294,7 @@ while time.monotonic() < end:
 def _start_flipper(http: httpx.Client, session: str, directory: str, canary: str) -> None:
     run_ok(http, session, f"mkdir -p {directory} && cat > /tmp/flip.py <<'EOF'\n{FLIPPER}\nEOF\n"
                           f"(python3 /tmp/flip.py {directory} {canary} >/dev/null 2>&1 &) ; "
-                          f"for i in $(seq 100); do test -e {directory}/ready && break; sleep 0.05; done; "
+                          f"for i in $(seq 600); do test -e {directory}/ready && break; sleep 0.05; done; "
                           f"test -e {directory}/ready", tool="bash")
 
 
@@ -382,7 +384,8 @@ def test_oversized_json_bodies_are_survived(security_server, http, session_id):
         "/v1/containers": {"name": "big"},
     }
     for url, body in cases.items():
-        started = time.monotonic()
+        # A server that choked on the body would not answer in time (the client gives up
+        # after 120 s) or would no longer answer /health; how fast it answers is bench/'s.
         with httpx.Client(base_url=security_server.url, timeout=120) as own:
             response = own.post(url, content=_fifty_megabytes(body),
                                 headers={"content-type": "application/json"})
@@ -397,10 +400,7 @@ def test_oversized_json_bodies_are_survived(security_server, http, session_id):
                 assert created["result_block"]["content"]["stdout"] == "7\n"
         else:
             assert response.status_code in (413, 422), response.status_code
-        assert time.monotonic() - started < 60
-        health_started = time.monotonic()
-        assert httpx.get(f"{security_server.url}/health", timeout=5).status_code == 200
-        assert time.monotonic() - health_started < 2
+        assert httpx.get(f"{security_server.url}/health", timeout=30).status_code == 200
     assert run_ok(http, session_id, "print('alive')")["stdout"] == "alive\n"
 
 
@@ -661,13 +661,100 @@ def test_header_abuse_is_a_client_error(tenants):
             wrong.append(f"{name}: {response and response.status} {response and response.body[:200]!r}")
         elif response.headers.get("www-authenticate") != "Bearer":
             wrong.append(f"{name}: 401 without WWW-Authenticate")
-    conflicting = raw_request(url, "POST", "/v1/containers", {
-        "Authorization": "Bearer tok-a", "Content-Type": "application/json",
-        "Transfer-Encoding": "chunked"}, b"0\r\n\r\n")
-    assert conflicting is None or conflicting.status in CLIENT_ERRORS | {200}, conflicting.status
     assert not wrong, wrong
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
     assert as_a.get("/v1/containers").status_code == 200  # the real token still works
+
+
+# -- request smuggling: framing the server and a proxy could read differently ---------------------------
+def _exchange(base_url: str, data: bytes, timeout: float = 30) -> bytes:
+    """Send exactly ``data`` on one connection; everything the server sent until it closed."""
+    parts = urlsplit(base_url)
+    received = []
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as sock:
+        sock.sendall(data)
+        while True:
+            try:
+                chunk = sock.recv(1 << 16)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not chunk:
+                break
+            received.append(chunk)
+    return b"".join(received)
+
+
+def _post_head(extra: str) -> bytes:
+    return ("POST /v1/containers HTTP/1.1\r\nHost: shoal\r\nAuthorization: Bearer tok-a\r\n"
+            f"Content-Type: application/json\r\n{extra}\r\n").encode()
+
+
+def _smuggled(name: str) -> bytes:
+    """A complete second request, hidden in the first one's body by one reading of it
+    (the last on its connection: the server closes once it has answered it)."""
+    body = json.dumps({"name": name}).encode()
+    return _post_head(f"Content-Length: {len(body)}\r\nConnection: close\r\n") + body
+
+
+# Each first request is framed so that Content-Length and Transfer-Encoding (or two
+# lengths) disagree on where it ends; read one way, the smuggled request follows it.
+SMUGGLING = {
+    "CL.TE": lambda hidden: _post_head(f"Content-Length: {5 + len(hidden)}\r\n"
+                                       "Transfer-Encoding: chunked\r\n") + b"0\r\n\r\n" + hidden,
+    "TE.CL": lambda hidden: _post_head("Transfer-Encoding: chunked\r\nContent-Length: 4\r\n")
+    + b"%x\r\n" % len(hidden) + hidden + b"\r\n0\r\n\r\n",
+    "TE with a space": lambda hidden: _post_head(f"Content-Length: {5 + len(hidden)}\r\n"
+                                                 "Transfer-Encoding : chunked\r\n")
+    + b"0\r\n\r\n" + hidden,
+    "TE xchunked": lambda hidden: _post_head(f"Content-Length: {5 + len(hidden)}\r\n"
+                                             "Transfer-Encoding: xchunked\r\n") + b"0\r\n\r\n" + hidden,
+    "TE chunked, identity": lambda hidden: _post_head(
+        f"Content-Length: {5 + len(hidden)}\r\nTransfer-Encoding: chunked, identity\r\n")
+    + b"0\r\n\r\n" + hidden,
+    "TE twice": lambda hidden: _post_head(
+        "Transfer-Encoding: chunked\r\nTransfer-Encoding: identity\r\n"
+        f"Content-Length: {5 + len(hidden)}\r\n") + b"0\r\n\r\n" + hidden,
+    "two lengths": lambda hidden: _post_head(
+        f"Content-Length: 2\r\nContent-Length: {2 + len(hidden)}\r\n") + b"{}" + hidden,
+}
+
+
+def _container_names(client: httpx.Client) -> set[str]:
+    return {item["name"] for item in client.get("/v1/containers", params={"limit": 100}).json()["data"]}
+
+
+@pytest.mark.parametrize("framing", SMUGGLING)
+def test_conflicting_framing_is_refused_and_smuggles_nothing(tenants, framing):
+    """Either reading of the framing would let a proxy and the server disagree on where a
+    request ends. The server refuses the request outright: exactly one answer, a 400,
+    the connection closed; neither the request nor the one hidden in it ran."""
+    server, as_a, _ = tenants
+    name = f"smuggled-{secrets.token_hex(4)}"
+    answer = _exchange(server.url, SMUGGLING[framing](_smuggled(name)))
+    assert answer.count(b"HTTP/1.1 ") == 1, answer[:2000]
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.split()[1] == b"400", answer[:500]
+    assert b"\r\nconnection: close\r\n" in rest.lower(), answer[:500]
+    assert name not in _container_names(as_a)
+
+
+def test_control_a_pipelined_request_is_served(tenants):
+    """Control for the test above: the same hidden request, framed honestly after a
+    first one on a keep-alive connection, is answered and runs, so the answer count
+    and the container listing would see a smuggled request that ran."""
+    server, as_a, _ = tenants
+    name = f"pipelined-{secrets.token_hex(4)}"
+    before = _container_ids(as_a)
+    answer = _exchange(server.url, _post_head("Content-Length: 2\r\n") + b"{}" + _smuggled(name))
+    made = _container_ids(as_a) - before
+    for container_id in made:
+        as_a.delete(f"/v1/containers/{container_id}")
+    assert answer.count(b"HTTP/1.1 200 ") == 2, answer[:2000]
+    assert len(made) == 2, made
+
+
+def _container_ids(client: httpx.Client) -> set[str]:
+    return {item["id"] for item in client.get("/v1/containers", params={"limit": 100}).json()["data"]}
 
 
 # -- control characters in names planted by code ---------------------------------------------------------
