@@ -21,8 +21,9 @@ log = logging.getLogger("shoal")
 
 
 def create_app(settings: Settings, manager: SessionManager | None = None) -> FastAPI:
-    tokens = TokenTable.parse(settings.tokens)
+    tokens = TokenTable.parse(settings.tokens, settings.operator_tokens)
     manager = manager or SessionManager(settings)
+    manager.set_tenants(tokens.tenants)
     run_manager = RunManager(settings, manager)
 
     @asynccontextmanager

@@ -29,12 +29,23 @@ class Settings(BaseSettings):
     keep_alive_seconds: float = Field(75.0, gt=0, description="How long an idle keep-alive "
                                       "connection stays open (longer than any gateway's pool "
                                       "idle time, so a request never races its closing).")
+    operator_tokens: str = Field("", description="Tokens of the operator (not of a tenant): "
+                                 "'tok1,tok2' or '@/path/file', one per line. They read /metrics "
+                                 "and the details of /health; tenants' tokens do not.")
     log_level: str = Field("warning", description="Log level: debug, info, warning, error.")
     shutdown_grace_seconds: float = Field(10.0, ge=0, description="How long SIGTERM waits "
                                                                   "for running calls.")
 
     # -- sessions --------------------------------------------------------------
     max_sessions: int = Field(64, ge=1, description="Live sessions at most; more answer 503.")
+    tenant_max_sessions: int = Field(0, ge=0, description="Live sessions (and runs) one tenant "
+                                     "may hold; more answer 429. 0: every slot where only one "
+                                     "tenant can exist, else half of max_sessions.")
+    tenant_max_containers: int = Field(100, ge=1, description="Active containers one tenant "
+                                       "may keep; more answer 429.")
+    tenant_max_upload_bytes: int = Field(10 * 1024 * MiB, ge=1, description="Bytes one "
+                                         "tenant's Files API uploads may add up to; more "
+                                         "answer 429.")
     idle_timeout_seconds: int = Field(600, ge=1, description="Default idle timeout.")
     max_idle_timeout_seconds: int = Field(3600, ge=1, description="Ceiling for idle timeout hints.")
     max_lifetime_seconds: int = Field(3600, ge=1, description="Default maximum lifetime.")
@@ -106,6 +117,10 @@ class Settings(BaseSettings):
                                                          "container's files (an ext4 volume).")
     uid_base: int = Field(200000, ge=1000, description="First uid handed to sandboxes.")
     uid_count: int = Field(4096, ge=1, description="How many uids sandboxes may use.")
+    uid_lock_dir: Path = Field(Path("/run/shoal-uids"), description="Where uid leases are "
+                               "held (one lock file per uid). The same for every server on the "
+                               "host, whatever its run directory, so no two sandboxes of any "
+                               "server ever share a uid.")
     runtime_dir: Path = Field(Path("/var/cache/shoal/runtime"),
                               description="Cache of built runtime environments.")
     run_dir: Path = Field(Path("/run/shoal"), description="Per-sandbox scratch directories.")

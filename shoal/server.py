@@ -51,7 +51,7 @@ def startup_problems(settings: Settings) -> list[str]:
     except RuntimeMissing as exc:
         found.append(str(exc))
     try:
-        TokenTable.parse(settings.tokens)
+        TokenTable.parse(settings.tokens, settings.operator_tokens)
     except TokenConfigError as exc:
         found.append(str(exc))
     return found

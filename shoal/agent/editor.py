@@ -13,7 +13,9 @@ import base64
 import os
 
 WORKSPACE = "/home/agent/workspace"
-MAX_VIEW_BYTES = 16 * 1024 * 1024
+# A view answers in one channel frame (4 MiB), with its text twice (numbered, and
+# as content): larger files are viewed a range at a time.
+MAX_VIEW_BYTES = 1024 * 1024
 _IMAGE_SUFFIXES = {".png": "image", ".jpg": "image", ".jpeg": "image", ".gif": "image",
                    ".webp": "image", ".pdf": "pdf"}
 
@@ -206,7 +208,8 @@ def _read_bytes(path: str) -> bytes:
     if not os.path.exists(path):
         raise EditorError(f"The path {path} does not exist.", "file_not_found")
     if os.path.getsize(path) > MAX_VIEW_BYTES:
-        raise EditorError(f"{path} is larger than {MAX_VIEW_BYTES} bytes.", "invalid_tool_input")
+        raise EditorError(f"{path} is larger than {MAX_VIEW_BYTES} bytes; view it with bash "
+                          "(head, sed -n, grep) instead.", "invalid_tool_input")
     with open(path, "rb") as handle:
         return handle.read()
 

@@ -93,7 +93,13 @@ class Agent:
                 self._cancelled.clear()
                 self._stop_current = lambda: None
             result.update(id=call_id, type="done")
-            self.send(result)
+            try:
+                self.send(result)
+            except (FrameError, UnicodeError) as exc:
+                # An answer that cannot travel (too large, or text that is not
+                # UTF-8) must cost the call, never the agent and its state.
+                self.send({"id": call_id, "type": "done", "return_code": 1,
+                           "error": f"agent error: the call's answer could not be sent: {exc}"})
             if message.get("op") == "exit":
                 return
 

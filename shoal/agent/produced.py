@@ -41,6 +41,8 @@ def _scan(directory: str, seen: Snapshot, recursive: bool) -> None:
             continue
         with entries:
             for entry in entries:
+                if not _utf8(entry.path):
+                    continue  # no API could name it; the host never hears of it
                 try:
                     if entry.is_file(follow_symlinks=False):
                         stat = entry.stat(follow_symlinks=False)
@@ -51,3 +53,11 @@ def _scan(directory: str, seen: Snapshot, recursive: bool) -> None:
                     continue
                 if len(seen) >= MAX_ENTRIES_SCANNED:
                     return
+
+
+def _utf8(path: str) -> bool:
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

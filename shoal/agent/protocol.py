@@ -41,6 +41,8 @@ def decode(body: bytes) -> dict:
         message = json.loads(body)
     except ValueError as exc:
         raise FrameError(f"frame is not JSON: {exc}") from None
+    except RecursionError:
+        raise FrameError("frame is nested too deeply") from None
     if not isinstance(message, dict):
         raise FrameError("frame is not a JSON object")
     return message

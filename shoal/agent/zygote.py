@@ -131,6 +131,9 @@ def _build_root(spec: dict, home_tree_fd: int) -> None:
     _tmpfs(root + "/tmp", spec["tmp_size"])
     os.makedirs(root + "/proc", exist_ok=True)
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for path in spec.get("masked", ()):  # host-wide block device statistics
+        _mount("/dev/null", root + path, None, MS_BIND)
+        _mount(None, root + path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.makedirs(root + "/.old-root")
     _check(_libc.syscall(SYS_PIVOT_ROOT, root.encode(), (root + "/.old-root").encode()), "pivot_root")
     os.chdir("/")
@@ -235,7 +238,19 @@ def _init(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
             os._exit(0)
 
 
+def _reseed() -> None:
+    """A fork starts with its zygote's random state: every sandbox would draw the
+    same "random" numbers. Each gets fresh seeds from the kernel instead."""
+    import random
+
+    random.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()  # the legacy global RandomState pandas and np.random use
+
+
 def _run_agent(spec: dict, channel_fd: int) -> None:
+    _reseed()
     os.environ.clear()
     os.environ.update(spec["env"])
     os.chdir(spec["cwd"])

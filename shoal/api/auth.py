@@ -21,15 +21,34 @@ class TokenConfigError(ValueError):
     """The token setting is malformed; the server refuses to start."""
 
 
+def _operator_tokens(setting: str) -> list[str]:
+    setting = setting.strip()
+    if not setting:
+        return []
+    if setting.startswith("@"):
+        path = Path(setting[1:])
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise TokenConfigError(f"cannot read operator tokens file {path}: {exc.strerror}") from None
+        tokens = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not tokens:
+            raise TokenConfigError(f"operator tokens file {path} holds no token")
+        return tokens
+    return [token.strip() for token in setting.split(",") if token.strip()]
+
+
 class TokenTable:
-    def __init__(self, tokens: dict[str, str]) -> None:
+    def __init__(self, tokens: dict[str, str], operators: list[str] | None = None) -> None:
         self._tokens = tokens
+        self._operators = operators or []
 
     @classmethod
-    def parse(cls, setting: str) -> "TokenTable":
+    def parse(cls, setting: str, operator_setting: str = "") -> "TokenTable":
+        operators = _operator_tokens(operator_setting)
         setting = setting.strip()
         if not setting:
-            return cls({})
+            return cls({}, operators)
         if setting.startswith("@"):
             path = Path(setting[1:])
             try:
@@ -48,11 +67,25 @@ class TokenTable:
             if not separator or not token.strip() or not tenant.strip():
                 raise TokenConfigError("each token must be written 'token=tenant'")
             tokens[token.strip()] = tenant.strip()
-        return cls(tokens)
+        if set(tokens) & set(operators):
+            raise TokenConfigError("a token cannot be both a tenant's and the operator's")
+        return cls(tokens, operators)
 
     @property
     def enabled(self) -> bool:
         return bool(self._tokens)
+
+    @property
+    def tenants(self) -> int:
+        """How many tenants the tokens name (1 when the server is open)."""
+        return len(set(self._tokens.values())) or 1
+
+    def is_operator(self, token: str) -> bool:
+        matched = False
+        for known in self._operators:
+            if hmac.compare_digest(known.encode(), token.encode()):
+                matched = True
+        return matched
 
     def tenant_for(self, token: str) -> str | None:
         found = None
@@ -61,6 +94,21 @@ class TokenTable:
             if hmac.compare_digest(known.encode(), token.encode()):
                 found = tenant
         return found
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def is_operator(request: Request) -> bool:
+    """The caller holds an operator token, or the server is open (everyone is the operator)."""
+    table: TokenTable = request.app.state.tokens
+    if not table.enabled:
+        return True
+    token = _bearer(request)
+    return bool(token) and table.is_operator(token)
 
 
 def tenant_of(request: Request) -> str:

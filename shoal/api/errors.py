@@ -30,9 +30,10 @@ from starlette.exceptions import HTTPException
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
 from shoal.gateway.service import UnknownResponse
 from shoal.runs import CallbackNotAllowed, InvalidTools, RunConflict, UnknownRun, UnknownToolCall
+from shoal.sandbox import DiskFull
 from shoal.sandbox.launcher import LaunchFailed
-from shoal.sessions import (AtCapacity, CallTooLarge, FileAccessError, InvalidContainer, SandboxClosed,
-                            UnknownContainer, UnknownSession)
+from shoal.sessions import (AtCapacity, CallTooLarge, FileAccessError, InvalidContainer,
+                            SandboxClosed, TenantQuotaExceeded, UnknownContainer, UnknownSession)
 
 log = logging.getLogger("shoal.api")
 
@@ -205,6 +206,13 @@ def install(app: FastAPI) -> None:
     handler(SandboxClosed, 404, "the session was released while the call ran")()
     handler(CallTooLarge, 413, "the call's input is too large to run")()
     handler(AtCapacity, 503)()
+    handler(TenantQuotaExceeded, 429)()
+
+    @handler(DiskFull)
+    def _disk(request: Request, exc: DiskFull):
+        log.warning("refused a volume: %s", exc)
+        return error_response(request, 503, "the server's disk cannot back another sandbox "
+                                            "now; retry later")
     handler(UpstreamNotConfigured, 501)()
 
     @handler(UpstreamError)

@@ -1,7 +1,8 @@
 """Health, Prometheus metrics and one structured log line per request.
 
-``/health`` answers without a token so load balancers can probe it; metrics
-carry no tenant data but still sit behind the token where one is configured.
+``/health`` answers without a token so load balancers can probe it, but says
+how busy the server is only to the operator (tenants would learn of each other
+from the counts); ``/metrics`` is the operator's too.
 The access log is at INFO, so it is silent under the default WARNING level and
 costs a request nothing then.
 """
@@ -14,13 +15,13 @@ import re
 import secrets
 import time
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, HTTPException, Request, Response
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, generate_latest)
 
 from shoal.sessions import ExecResult
 
-from .auth import tenant_of
+from .auth import is_operator
 
 router = APIRouter()
 access_log = logging.getLogger("shoal.access")
@@ -47,17 +48,26 @@ class Metrics:
             self.limits_fired.labels(limit.value).inc()
 
 
-@router.get("/health", summary="Liveness and capacity")
+@router.get("/health", summary="Liveness; capacity for the operator")
 async def health(request: Request) -> Response:
     manager = request.app.state.manager
-    body = {"status": "ok", "sessions": manager.live,
-            "max_sessions": manager.settings.max_sessions,
-            "pool_ready": manager.pool.ready_count}
+    body = {"status": "ok"}
+    if is_operator(request):
+        body.update(sessions=manager.live, max_sessions=manager.settings.max_sessions,
+                    pool_ready=manager.pool.ready_count)
     return Response(json.dumps(body), media_type="application/json")
 
 
-@router.get("/metrics", summary="Prometheus metrics", dependencies=[Depends(tenant_of)])
+@router.get("/metrics", summary="Prometheus metrics (the operator's)")
 async def metrics(request: Request) -> Response:
+    if not is_operator(request):
+        table = request.app.state.tokens
+        if not table.enabled or table.tenant_for(request.headers.get("authorization", "")
+                                                 .partition(" ")[2].strip()) is None:
+            raise HTTPException(401, "missing or invalid bearer token",
+                                headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(403, "metrics describe every tenant: they need an operator token "
+                                 "(SHOAL_OPERATOR_TOKENS)")
     return Response(generate_latest(request.app.state.metrics.registry),
                     media_type=CONTENT_TYPE_LATEST)
 

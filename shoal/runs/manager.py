@@ -189,7 +189,7 @@ class RunManager:
         """Check what the run needs, then start it in the background; the returned
         run's log already holds ``run.created``."""
         grant = Grant(request.tools, request.allowed_tools)
-        release_slot = self.sessions.claim_slot()
+        release_slot = self.sessions.claim_slot(tenant)
         try:
             return await self._start(tenant, request, grant, release_slot)
         except BaseException:

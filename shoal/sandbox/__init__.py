@@ -13,9 +13,10 @@ from .result import ExecResult, Limit, ProducedFile, decode_file_id, encode_file
 from .runtime import RuntimeMissing
 from .sandbox import OutputCallback, Sandbox, SandboxClosed
 from .toolcalls import StubSpec, ToolCall, ToolHandler, ToolOutcome
+from .volumes import DiskFull
 
 __all__ = [
-    "CallTooLarge",
+    "CallTooLarge", "DiskFull",
     "FileAccessError", "FileEntry", "FileMissing", "FileTooLarge", "IsDirectory",
     "PathOutside", "SandboxFiles", "SandboxPath", "guess_mime_type", "parse_path",
     "ExecResult", "IsolationUnavailable", "Limit", "ProducedFile", "RuntimeMissing",

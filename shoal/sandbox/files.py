@@ -29,6 +29,10 @@ MAX_PATH_BYTES = 4096
 # Directories the code may read but never change: what the host puts there stays root's.
 _ROOT_OWNED = (UPLOADS, EXTERNAL)
 MAX_LISTED = 10_000
+# A walk reads at most this many directory entries and goes this deep, so that
+# what one listing costs does not depend on what the code left behind.
+MAX_SCANNED = 100_000
+MAX_DEPTH = 64
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -194,13 +198,9 @@ class SandboxFiles:
     def list(self, path: SandboxPath) -> list[FileEntry]:
         """Regular files under a directory, recursively, without following links."""
         directory = self._open_dir(path.mount, path.parts)
-        entries: list[FileEntry] = []
         try:
-            for parts, info in _walk(directory, path.parts):
-                entries.append(FileEntry(SandboxPath(path.mount, parts), info.st_size,
-                                         info.st_mtime))
-                if len(entries) >= MAX_LISTED:
-                    break
+            entries = [FileEntry(SandboxPath(path.mount, parts), info.st_size, info.st_mtime)
+                       for parts, info in _walk(directory, path.parts)]
         finally:
             os.close(directory)
         entries.sort(key=lambda entry: entry.path.parts)
@@ -315,26 +315,65 @@ def _remove_contents(directory_fd: int) -> None:
         os.close(directory_fd)
 
 
-def _walk(directory_fd: int, prefix: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], os.stat_result]]:
-    pending = [(os.dup(directory_fd), prefix)]
-    while pending:
-        fd, parts = pending.pop()
+def _walk(directory_fd: int, prefix: tuple[str, ...]) -> list[tuple[tuple[str, ...], os.stat_result]]:
+    """Regular files under a directory, depth first, never following a link.
+
+    The tree was shaped by hostile code, so every bound is the walk's own: it
+    holds one fd per level (at most ``MAX_DEPTH`` levels), reads at most
+    ``MAX_SCANNED`` entries, and closes every fd it opened on every exit. Names
+    that are not UTF-8 are skipped: no API could name them anyway.
+    """
+    found: list[tuple[tuple[str, ...], os.stat_result]] = []
+    scanned = 0
+    # Each level: (its fd, its path parts, an iterator over its entries).
+    stack: list[tuple[int, tuple[str, ...], Iterator[os.DirEntry]]] = []
+
+    def descend(fd: int, parts: tuple[str, ...]) -> None:
         try:
-            for entry in os.scandir(fd):
+            entries = os.scandir(fd)
+        except OSError:
+            os.close(fd)
+            return
+        stack.append((fd, parts, entries))
+
+    descend(os.dup(directory_fd), prefix)
+    try:
+        while stack and len(found) < MAX_LISTED and scanned < MAX_SCANNED:
+            fd, parts, entries = stack[-1]
+            entry = next(entries, None)
+            if entry is None:
+                entries.close()
+                os.close(fd)
+                stack.pop()
+                continue
+            scanned += 1
+            if not _utf8(entry.name):
+                continue
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                found.append(((*parts, entry.name), info))
+            elif stat.S_ISDIR(info.st_mode) and len(stack) < MAX_DEPTH:
                 try:
-                    info = entry.stat(follow_symlinks=False)
+                    child = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
                 except OSError:
                     continue
-                if stat.S_ISREG(info.st_mode):
-                    yield (*parts, entry.name), info
-                elif stat.S_ISDIR(info.st_mode):
-                    try:
-                        child = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
-                    except OSError:
-                        continue
-                    pending.append((child, (*parts, entry.name)))
-        finally:
+                descend(child, (*parts, entry.name))
+    finally:
+        for fd, _, entries in stack:
+            entries.close()
             os.close(fd)
+    return found
+
+
+def _utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_symlink(name: str, dir_fd: int) -> bool:

@@ -9,6 +9,7 @@ Only the workspace, outputs and the size-capped tmpfs mounts are writable.
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,10 @@ OPENAI_DATA = "/mnt/data"
 SKILLS = "/mnt/skills"
 RUNTIME = "/opt/shoal/runtime"
 AGENT_ROOT = "/opt/shoal/agent"
+
+# /proc files that describe the whole host's block devices: every loop volume's
+# size and I/O, so one tenant could watch another's writes. Masked with /dev/null.
+MASKED_PROC = ("/proc/diskstats", "/proc/partitions")
 
 # Host /etc entries a sandbox may read; nothing with secrets or host identity.
 _ETC_ENTRIES = (
@@ -110,17 +115,17 @@ class SandboxHome:
     def adopt(self, uid: int) -> None:
         """Give everything in the writable directories to a new sandbox uid.
 
-        Run only while no sandbox is attached, and without following links
-        (``fwalk`` hands out directory fds), so nothing planted by earlier code
-        can turn this into a chown of a host file.
+        Run only while no sandbox is attached (nothing changes the tree under
+        us), and never through a link, so nothing planted by earlier code can
+        turn this into a chown of a host file. coreutils' ``chown -R -P`` walks
+        trees of any depth with a bounded number of fds, where a walk of our
+        own would need one per level (code can nest thousands).
         """
-        for directory in (self.workspace, self.outputs):
-            for _, dirs, files, dir_fd in os.fwalk(directory, follow_symlinks=False):
-                for name in (*dirs, *files):
-                    try:
-                        os.chown(name, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
-                    except FileNotFoundError:
-                        pass
+        result = subprocess.run(
+            ["/bin/chown", "-R", "-P", "--no-dereference", f"{uid}:{uid}",
+             str(self.workspace), str(self.outputs)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise OSError(f"could not hand the files to uid {uid}: {result.stderr.strip()[:500]}")
 
 
 def etc_entries() -> list[Path]:
@@ -144,8 +149,13 @@ def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,
         "--dev", "/dev",
         "--size", str(tmp_size_bytes), "--tmpfs", "/tmp",
         "--size", str(tmp_size_bytes), "--tmpfs", "/dev/shm",
+        # bwrap's /dev is a tmpfs owned by the sandbox uid, sized by nothing:
+        # read-only once laid out (/dev/shm and /dev/pts are mounts of their own).
+        "--remount-ro", "/dev",
         "--dir", "/etc",
     ]
+    for path in MASKED_PROC:
+        args += ["--ro-bind", "/dev/null", path]
     for source in etc_entries():
         args += ["--ro-bind", str(source), str(source)]
     for name in ("passwd", "group", "hosts"):

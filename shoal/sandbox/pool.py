@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import itertools
 import logging
 import os
@@ -51,14 +52,20 @@ class SandboxPool:
         # leftovers these are (a pid that no longer runs left them behind).
         self._prefix = f"{os.getpid()}.{secrets.token_hex(3)}"
         self._closing = False
-        self._uids = UidAllocator(settings.uid_base, settings.uid_count, settings.run_dir / "uids")
+        self._uids = UidAllocator(settings.uid_base, settings.uid_count, settings.uid_lock_dir)
         self._cgroups: CgroupManager | None = None
         self._config: LaunchConfig | None = None
         self._limits = Limits(memory_bytes=settings.memory_limit_mib * MiB,
                               pids=settings.pids_limit, cpu_cores=settings.cpu_limit)
         # Named by process and pool, so pools never touch each other's files.
         self._sandboxes_dir = settings.run_dir / f"sandboxes-{self._prefix}"
+        # The images behind ephemeral sessions' volumes live on the data
+        # directory's disk: the run directory is often a tmpfs, whose pages no
+        # sandbox's memory limit would be charged for.
+        self._scratch_dir = settings.data_dir / "scratch" / f"pool-{self._prefix}"
         self._zygote: Zygote | None = None
+        self._agent_dir: Path | None = None
+        self._agent_lock = -1
 
     # -- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -106,7 +113,12 @@ class SandboxPool:
         for mount_point in mounts_under(self._sandboxes_dir):
             unmount(mount_point)  # never rmtree through a volume still mounted
         shutil.rmtree(self._sandboxes_dir, ignore_errors=True)
-        shutil.rmtree(self._agent_dir, ignore_errors=True)
+        shutil.rmtree(self._scratch_dir, ignore_errors=True)
+        if self._agent_dir is not None:
+            shutil.rmtree(self._agent_dir, ignore_errors=True)
+            self._agent_dir.with_name(self._agent_dir.name + ".lock").unlink(missing_ok=True)
+            os.close(self._agent_lock)
+            self._agent_dir = None
 
     # -- leasing -----------------------------------------------------------------
     async def lease(self) -> Sandbox:
@@ -169,23 +181,40 @@ class SandboxPool:
         SIGKILL): their cgroups, volume mounts, images and directories."""
         assert self._cgroups is not None
         self._cgroups.sweep(_left_by_dead_process)
-        if not self.settings.run_dir.is_dir():
-            return
-        for directory in self.settings.run_dir.iterdir():
+        run_dir = self.settings.run_dir
+        for directory in run_dir.iterdir() if run_dir.is_dir() else ():
             kind, _, owner = directory.name.partition("-")
-            if kind in ("sandboxes", "agent") and _left_by_dead_process(owner):
+            stale = (kind == "sandboxes" and _left_by_dead_process(owner)) or (
+                kind == "agent" and directory.is_dir() and _unlocked(directory))
+            if stale:
                 log.info("reclaiming %s, left by a process that is gone", directory)
                 for mount_point in mounts_under(directory):
                     unmount(mount_point)
                 shutil.rmtree(directory, ignore_errors=True)
+                directory.with_name(directory.name + ".lock").unlink(missing_ok=True)
+        # Images of dead pools' ephemeral volumes, unmounted above.
+        scratch = self._scratch_dir.parent
+        for directory in scratch.iterdir() if scratch.is_dir() else ():
+            kind, _, owner = directory.name.partition("-")
+            if kind == "pool" and _left_by_dead_process(owner):
+                shutil.rmtree(directory, ignore_errors=True)
 
     def _install_agent(self) -> Path:
-        """Copy the agent's source where any sandbox uid may read it."""
-        self._agent_dir = self.settings.run_dir / f"agent-{self._prefix}"
-        package = self._agent_dir / "shoal_agent"
-        shutil.rmtree(self._agent_dir, ignore_errors=True)
+        """Copy the agent's source where any sandbox uid may read it.
+
+        Sandboxes see this directory's host path in their mountinfo, so its name
+        says nothing (no pid); a lock file beside it, out of the sandboxes'
+        sight, is held while the pool lives and tells a later server whether the
+        directory is a dead pool's leftover.
+        """
         self.settings.run_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         os.chmod(self.settings.run_dir, 0o711)
+        self._agent_dir = self.settings.run_dir / f"agent-{secrets.token_hex(8)}"
+        lock = os.open(self._agent_dir.with_name(self._agent_dir.name + ".lock"),
+                       os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        self._agent_lock = lock
+        package = self._agent_dir / "shoal_agent"
         package.mkdir(parents=True, mode=0o755)
         os.chmod(self._agent_dir, 0o755)
         for source in (*AGENT_SOURCE.glob("*.py"), *AGENT_SOURCE.glob("*.js"),
@@ -240,7 +269,7 @@ class SandboxPool:
             return sandbox
 
     def _volume_of(self, name: str) -> Volume:
-        return Volume(self._sandboxes_dir / f"{name}.img", self._sandboxes_dir / name)
+        return Volume(self._scratch_dir / f"{name}.img", self._sandboxes_dir / name)
 
     def _prepare(self, name: str, uid: int, home: SandboxHome):
         # An ephemeral session's files get a volume of their own: the disk
@@ -299,6 +328,21 @@ def _left_by_dead_process(name: str) -> bool:
     except PermissionError:
         return False
     return False
+
+
+def _unlocked(directory: Path) -> bool:
+    """Whether no live pool holds the lock beside a directory (or it has none)."""
+    try:
+        fd = os.open(directory.with_name(directory.name + ".lock"), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _log_failure(task: asyncio.Task) -> None:

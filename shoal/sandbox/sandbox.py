@@ -53,6 +53,7 @@ class _Collector:
         self.forward = forward
 
     def add(self, stream: str, data: str) -> None:
+        data = clean_text(data)
         room = self.cap - self.sizes[stream]
         if room <= 0:
             self.truncated[stream] = True
@@ -240,11 +241,12 @@ class Sandbox:
             files=self._produced(done.get("files")),
         )
         if "stdout" in done and isinstance(done.get("stdout"), str):  # editor answers inline
-            result.stdout = done["stdout"][:cap]
-            result.stderr = str(done.get("stderr") or "")[:cap]
-            result.editor = done.get("editor") if isinstance(done.get("editor"), dict) else None
+            result.stdout = clean_text(done["stdout"][:cap])
+            result.stderr = clean_text(str(done.get("stderr") or "")[:cap])
+            editor = done.get("editor")
+            result.editor = _clean_tree(editor) if isinstance(editor, dict) else None
         if isinstance(done.get("error"), str):
-            result.stderr = (result.stderr + done["error"])[:cap + len(TRUNCATION_MARKER)]
+            result.stderr = clean_text((result.stderr + done["error"])[:cap + len(TRUNCATION_MARKER)])
         if done.get("timed_out") is True:
             result.limits.append(Limit.TIMEOUT)
         truncated = done.get("truncated")
@@ -295,6 +297,7 @@ class Sandbox:
                 continue
             path, size = entry.get("path"), entry.get("size")
             if (isinstance(path, str) and isinstance(size, int) and "\x00" not in path
+                    and _utf8(path)
                     and (path.startswith(OUTPUTS + "/") or path.startswith(WORKSPACE + "/"))
                     and not {".", "..", ""} & set(path[1:].split("/"))):
                 produced.append(ProducedFile(path=path, size=size))
@@ -323,3 +326,35 @@ class Sandbox:
     def files(self) -> SandboxFiles:
         """Host-side access to this sandbox's workspace, outputs and uploads."""
         return SandboxFiles(self.home, self.uid, self._pool.settings.max_file_bytes)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def clean_text(text: str) -> str:
+    """Text that can leave as UTF-8: code posing as the agent may send JSON
+    escapes of lone surrogates, which no response could encode."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _clean_tree(value: object, depth: int = 0) -> object:
+    """The editor's structured answer, with clean text; nothing a real editor
+    answer would hold is nested deeper than a few levels."""
+    if depth > 8:
+        return None
+    if isinstance(value, str):
+        return clean_text(value)
+    if isinstance(value, dict):
+        return {clean_text(str(k)): _clean_tree(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean_tree(item, depth + 1) for item in value]
+    return value

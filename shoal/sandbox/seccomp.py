@@ -35,7 +35,8 @@ Policy (default ALLOW; a deny-list):
   family fails with ``EAFNOSUPPORT`` (no network, netlink or packet sockets).
 * ``personality`` is allowed only to query (``0xffffffff``) or to set
   ``PER_LINUX`` (0); anything else (e.g. ``ADDR_NO_RANDOMIZE``) is ``EPERM``.
-* ``ioctl`` with ``TIOCSTI`` or ``TIOCLINUX`` (terminal input injection)
+* ``ioctl`` with ``TIOCSTI`` or ``TIOCLINUX`` (terminal input injection) or
+  ``TIOCSETD`` (setting a line discipline asks the kernel to load its module)
   fails with ``EPERM``.
 
 The syscall tables are written out per architecture below (x86_64 from
@@ -134,6 +135,7 @@ _PER_LINUX = 0x0
 _PER_QUERY = 0xFFFFFFFF
 _TIOCSTI = 0x5412
 _TIOCLINUX = 0x541C
+_TIOCSETD = 0x5423
 
 # --------------------------------------------------------------------------
 # Policy: which syscalls, by name.
@@ -455,12 +457,15 @@ def _program(arch: _Arch) -> list[_Insn]:
     ])
 
     # 8. ioctl: TIOCSTI/TIOCLINUX push keystrokes into a terminal, which can
-    #    escape to whatever reads the controlling tty outside the sandbox.
+    #    escape to whatever reads the controlling tty outside the sandbox;
+    #    TIOCSETD picks a line discipline, which autoloads its kernel module
+    #    (a rarely used driver's code, reachable by anyone with a pty).
     #    The request is arg1 (unsigned int in the kernel).
     prog += _if_nr(nrs["ioctl"], [
         _load(_off_arg_lo(1)),
-        _jump(_BPF_JMP | _BPF_JEQ | _BPF_K, _TIOCSTI, 1, 0),
-        _jump(_BPF_JMP | _BPF_JEQ | _BPF_K, _TIOCLINUX, 0, 1),
+        _jump(_BPF_JMP | _BPF_JEQ | _BPF_K, _TIOCSTI, 2, 0),
+        _jump(_BPF_JMP | _BPF_JEQ | _BPF_K, _TIOCLINUX, 1, 0),
+        _jump(_BPF_JMP | _BPF_JEQ | _BPF_K, _TIOCSETD, 0, 1),
         _ret(_errno(_EPERM)),
         _ret(_RET_ALLOW),
     ])

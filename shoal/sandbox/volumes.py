@@ -5,7 +5,15 @@ filesystem of its own can: code that writes past its container's quota gets
 ENOSPC (or runs out of inodes) from the kernel, and the host's disk and every
 other container are untouched. The image is sparse, so a container costs the
 host only what it really stores, and it is a plain file, so it survives a
-restart of the server (or of the machine) with everything in it.
+restart of the server (or of the machine) with everything in it. Its inode
+tables and journal are left for the kernel to treat as empty (lazy init, and
+``noinit_itable`` so they are never zeroed), which keeps an empty volume at
+well under a megabyte of real disk.
+
+Sparse images could promise more than the disk holds, and a loop device whose
+backing file cannot grow loses writes. So no volume is created or mounted
+unless the filesystem under the images has room for it to fill its quota on
+top of what every volume this process has mounted may still write.
 """
 
 from __future__ import annotations
@@ -16,10 +24,50 @@ import time
 from pathlib import Path
 
 MKFS = "/usr/sbin/mkfs.ext4"
+# Left free under the images beyond every volume's promise: the metadata and the
+# server's own files need some room too.
+RESERVE_MARGIN_BYTES = 64 * 1024 * 1024
 
 
 class VolumeError(RuntimeError):
     """A volume could not be created, mounted or removed."""
+
+
+class DiskFull(VolumeError):
+    """The disk under the images cannot back another volume's quota now."""
+
+
+# Mount point -> image, of every volume this process has mounted.
+_mounted: dict[Path, Path] = {}
+
+
+def _promised(device: int) -> int:
+    """What the mounted volumes on one filesystem may still write, in bytes."""
+    total = 0
+    for mount_point, image in list(_mounted.items()):
+        try:
+            if image.stat().st_dev != device:
+                continue
+            quota = image.stat().st_size
+            disk = os.statvfs(mount_point)
+            used = (disk.f_blocks - disk.f_bfree) * disk.f_frsize
+        except OSError:
+            continue
+        total += max(0, quota - used)
+    return total
+
+
+def check_room(image: Path, quota: int) -> None:
+    """Refuse a volume the disk under ``image`` could not back to its quota."""
+    directory = image.parent
+    disk = os.statvfs(directory)
+    free = disk.f_bavail * disk.f_frsize
+    needed = quota - (image.stat().st_blocks * 512 if image.exists() else 0)
+    promised = _promised(directory.stat().st_dev)
+    if free - promised < needed + RESERVE_MARGIN_BYTES:
+        raise DiskFull(f"the disk under {directory} has {free // 2**20} MiB free, and "
+                       f"{promised // 2**20} MiB are promised to live volumes: it cannot back "
+                       f"another {quota // 2**20} MiB volume now")
 
 
 def _run(argv: list[str]) -> None:
@@ -45,6 +93,7 @@ def mounts_under(directory: Path) -> list[Path]:
 def unmount(mount_point: Path) -> None:
     # The last processes of a killed sandbox may still hold the filesystem for
     # a moment; retry briefly, then detach it lazily rather than leak it.
+    _mounted.pop(Path(mount_point).resolve(), None)
     for _ in range(20):
         try:
             _run(["umount", str(mount_point)])
@@ -70,13 +119,16 @@ class Volume:
     def create(self, size_bytes: int, journal: bool = True) -> None:
         """Make the image and its filesystem; the volume is then mounted."""
         self.image.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_room(self.image, size_bytes)
         partial = self.image.with_suffix(".partial")
         with open(partial, "wb") as handle:
             handle.truncate(size_bytes)
         features = [] if journal else ["-O", "^has_journal"]
         try:
-            # -m 0: no blocks reserved for root, the quota is all the user's.
-            _run([MKFS, "-q", "-F", "-m", "0", *features, str(partial)])
+            # -m 0: no blocks reserved for root, the quota is all the user's; lazy
+            # init: a fresh sparse image reads as zeros, nothing needs writing.
+            _run([MKFS, "-q", "-F", "-m", "0", *features,
+                  "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", str(partial)])
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
@@ -85,14 +137,20 @@ class Volume:
 
     def mount(self) -> None:
         if is_mounted(self.mount_point):
+            _mounted[self.mount_point.resolve()] = self.image
             return
+        if self.mount_point.resolve() not in _mounted:
+            check_room(self.image, self.image.stat().st_size)
         self.mount_point.mkdir(parents=True, exist_ok=True)
-        _run(["mount", "-o", "loop,nosuid,nodev", str(self.image), str(self.mount_point)])
+        _run(["mount", "-o", "loop,nosuid,nodev,noinit_itable", str(self.image),
+              str(self.mount_point)])
+        _mounted[self.mount_point.resolve()] = self.image
         os.chmod(self.mount_point, 0o711)
 
     def unmount(self) -> None:
         if is_mounted(self.mount_point):
             unmount(self.mount_point)
+        _mounted.pop(self.mount_point.resolve(), None)
 
     def destroy(self) -> None:
         """Unmount and delete the image: every byte in it is gone."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from . import seccomp
 from .mounts import (AGENT_ROOT, EXTERNAL, OPENAI_DATA, OUTPUTS, RUNTIME, SANDBOX_ENV, SKILLS, UPLOADS,
                      WORKSPACE, SandboxHome)
-from .mounts import etc_entries
+from .mounts import MASKED_PROC, etc_entries
 
 READY_TIMEOUT_SECONDS = 120.0
 _SCRIPT = (
@@ -167,5 +167,6 @@ def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], tmp_size_by
         "nproc": nproc,
         "env": SANDBOX_ENV,
         "cwd": WORKSPACE,
+        "masked": list(MASKED_PROC),
         "seccomp": seccomp.build_filter().hex(),
     }

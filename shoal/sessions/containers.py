@@ -43,6 +43,10 @@ class InvalidContainer(ValueError):
     """A container id or setting the client may not use."""
 
 
+class TenantQuotaExceeded(RuntimeError):
+    """A tenant asked for more than its share (a 429: others keep theirs)."""
+
+
 class UnknownSkill(InvalidContainer):
     """A skill the request names is not in the operator's skills directory."""
 
@@ -98,6 +102,11 @@ class ContainerManager:
                      minutes: int | None = None, implicit: bool = False,
                      memory_limit: str | None = None) -> ContainerRecord:
         memory_limit = self.check_memory_limit(memory_limit)
+        active = [r for r in await self.metadata.list_containers(tenant) if r.expires_at > time.time()]
+        if len(active) >= self.settings.tenant_max_containers:
+            raise TenantQuotaExceeded(
+                f"this tenant already has {len(active)} active containers, its quota; delete "
+                "one (or let one expire) before creating another")
         if container_id is None:
             container_id = "cnt_" + secrets.token_hex(12)
         elif not _CLIENT_ID.match(container_id):

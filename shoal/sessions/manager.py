@@ -18,7 +18,7 @@ from shoal.sandbox import SandboxPool
 from shoal.storage import open_files, open_metadata
 
 from .container_files import ContainerFiles
-from .containers import ContainerManager
+from .containers import ContainerManager, TenantQuotaExceeded
 from .uploads import Uploads
 from .session import Session
 
@@ -42,9 +42,13 @@ class SessionManager:
                                 settings.max_file_bytes)
         self.containers = ContainerManager(settings, self.pool, self.metadata, self.files)
         self.container_files = ContainerFiles(self.containers, self.metadata)
-        self.uploads = Uploads(self.metadata, self.files)
+        self.uploads = Uploads(self.metadata, self.files, settings.tenant_max_upload_bytes)
         self._sessions: dict[str, Session] = {}
         self._reserved = 0
+        self._held: dict[str, int] = {}  # slots per tenant: its sessions and runs
+        # Fair share: how many of the slots one tenant may hold (set by the app,
+        # which knows how many tenants its tokens name).
+        self.tenant_cap = settings.tenant_max_sessions or settings.max_sessions
         self._reaper: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -69,17 +73,42 @@ class SessionManager:
     def live(self) -> int:
         return len(self._sessions)
 
-    def _claim_slot(self) -> None:
+    def held_by(self, tenant: str) -> int:
+        return self._held.get(tenant, 0)
+
+    def set_tenants(self, count: int) -> None:
+        """How many tenants can exist: with more than one, none takes every slot."""
         settings = self.settings
+        if settings.tenant_max_sessions:
+            self.tenant_cap = settings.tenant_max_sessions
+        elif count > 1:
+            self.tenant_cap = max(1, settings.max_sessions // 2)
+        else:
+            self.tenant_cap = settings.max_sessions
+
+    def _claim_slot(self, tenant: str) -> None:
+        settings = self.settings
+        held = self._held.get(tenant, 0)
+        if held >= self.tenant_cap:
+            raise TenantQuotaExceeded(f"this tenant holds {held} sessions and runs, its share of "
+                                      "this server; release one and retry")
         if len(self._sessions) + self._reserved >= settings.max_sessions:
             raise AtCapacity(f"all {settings.max_sessions} session slots are in use; "
                              "retry after a session is released")
         self._reserved += 1
+        self._held[tenant] = held + 1
 
-    def claim_slot(self) -> Callable[[], None]:
+    def _unhold(self, tenant: str) -> None:
+        left = self._held.get(tenant, 1) - 1
+        if left > 0:
+            self._held[tenant] = left
+        else:
+            self._held.pop(tenant, None)
+
+    def claim_slot(self, tenant: str) -> Callable[[], None]:
         """Hold one of the live-sandbox slots (a run) until the returned function is
-        called; AtCapacity if none is free."""
-        self._claim_slot()
+        called; AtCapacity if none is free, TenantQuotaExceeded past the tenant's share."""
+        self._claim_slot(tenant)
         released = False
 
         def release() -> None:
@@ -87,6 +116,7 @@ class SessionManager:
             if not released:
                 released = True
                 self._reserved -= 1
+                self._unhold(tenant)
         return release
 
     def clamp(self, requested: int | None, default: int, ceiling: int) -> int:
@@ -101,7 +131,7 @@ class SessionManager:
         """Lease a session; with ``container_id``, attached to that durable container
         (created if the id is new), else on an ephemeral sandbox of its own."""
         settings = self.settings
-        self._claim_slot()
+        self._claim_slot(tenant)
         container = None
         restarted = False
         try:
@@ -110,8 +140,11 @@ class SessionManager:
             else:
                 container = await self.containers.get_or_create(tenant, container_id)
                 sandbox, restarted = await self.containers.acquire(container)
+        except BaseException:
+            self._unhold(tenant)
+            raise
         finally:
-            self._reserved -= 1
+            self._reserved -= 1  # from here the session itself holds the slot
         session = Session(
             id=secrets.token_hex(16),
             tenant=tenant,
@@ -150,6 +183,7 @@ class SessionManager:
     async def _release(self, session: Session) -> None:
         if self._sessions.get(session.id) is session:
             del self._sessions[session.id]
+            self._unhold(session.tenant)
             await self._detach(session)
 
     async def _detach(self, session: Session) -> None:

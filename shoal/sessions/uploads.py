@@ -14,16 +14,27 @@ from typing import BinaryIO
 from shoal.sandbox import FileMissing, guess_mime_type
 from shoal.storage import FileStore, MetadataStore, UploadRecord
 
+from .containers import TenantQuotaExceeded
+
 
 class Uploads:
-    def __init__(self, metadata: MetadataStore, files: FileStore) -> None:
+    def __init__(self, metadata: MetadataStore, files: FileStore, max_bytes: int) -> None:
         self._metadata = metadata
         self._files = files
+        self._max_bytes = max_bytes
 
     async def create(self, tenant: str, filename: str, source: BinaryIO,
                      purpose: str | None = None) -> UploadRecord:
+        stored = sum(record.size for record in await self._metadata.list_uploads(tenant))
+        if stored >= self._max_bytes:
+            raise TenantQuotaExceeded(f"this tenant's uploads hold {stored} bytes, its quota of "
+                                      f"{self._max_bytes}; delete some before uploading more")
         upload_id = "file-" + secrets.token_hex(12)
         size = await asyncio.to_thread(self._files.write_upload, tenant, upload_id, source)
+        if stored + size > self._max_bytes:
+            await asyncio.to_thread(self._files.delete_upload, tenant, upload_id)
+            raise TenantQuotaExceeded(f"this upload would take this tenant's uploads past its "
+                                      f"quota of {self._max_bytes} bytes")
         record = UploadRecord(tenant=tenant, id=upload_id, filename=filename, size=size,
                               created_at=time.time(), purpose=purpose,
                               mime_type=guess_mime_type(filename))

@@ -81,6 +81,7 @@ CLONE_NEWNET = 0x40000000
 SIGCHLD = 17
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
+TIOCSETD = 0x5423
 FIONREAD = 0x541B
 ADDR_NO_RANDOMIZE = 0x0040000
 
@@ -244,6 +245,7 @@ def test_policy_in_bpf_interpreter(machine: str, audit: int) -> None:
     assert run("personality", 0x0008) == _err(EPERM)
     assert run("ioctl", 0, TIOCSTI) == _err(EPERM)
     assert run("ioctl", 0, TIOCLINUX) == _err(EPERM)
+    assert run("ioctl", 0, TIOCSETD) == _err(EPERM)  # line disciplines autoload modules
     assert run("ioctl", 0, FIONREAD) == ALLOW
     assert _bpf_run(prog, 0, audit) == ALLOW  # read / io_setup
     if machine == "x86_64":
