@@ -181,6 +181,13 @@ class Conversation:
     interpreter_container: str | None = None
     caronte_container: str | None = None
 
+    def interpreter_container_id(self) -> str:
+        """The interpreter's container id, chosen before the container is made:
+        the client is told it as soon as the model starts a call."""
+        if self.interpreter_container is None:
+            self.interpreter_container = "cnt_" + secrets.token_hex(12)
+        return self.interpreter_container
+
 
 class OpenAIAdapter:
     def __init__(self, request: ResponsesRequest, upstream: Upstream, conversation: Conversation,
@@ -215,7 +222,7 @@ class OpenAIAdapter:
         self.upstream_tools = other_tools + [UPSTREAM_TOOLS[name] for name in names]
         self.output: list[dict] = []
         self.usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
-                      "input_tokens_details": {"cached_tokens": 0},
+                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens_details": {"reasoning_tokens": 0}}
         self.status = "in_progress"
         self.incomplete: dict | None = None
@@ -243,8 +250,8 @@ class OpenAIAdapter:
                 self._event("response.in_progress", {"response": snapshot})]
 
     async def upstream_turn(self) -> AsyncIterator[object]:
-        for event in self.start():
-            yield event
+        # response.created goes out once the upstream has answered: an upstream
+        # that refuses is then still the client's error status, not a stream.
         self.conversation.history.extend(self._outputs)
         self._outputs = []
         body = {**self.base_body, "input": self.conversation.history, "tools": self.upstream_tools,
@@ -253,6 +260,8 @@ class OpenAIAdapter:
         items: dict[int, dict] = {}
         completed = None
         async for name, data in self.upstream.events("/v1/responses", body, self.incoming, self.timing):
+            for event in self.start():
+                yield event
             kind = data.get("type", name)
             index = data.get("output_index")
             if kind == "response.output_item.added":
@@ -357,14 +366,14 @@ class OpenAIAdapter:
                           timeout_ms=arguments["timeout_ms"], caronte_files=True)
 
     async def tool_result(self, use: ToolUse, run: Run | None, failure: object) -> list:
-        events = []
+        events = self.start()
         if use.name == CI_FUNCTION:
             images = []
             if self.request.include_outputs and run is not None and run.container is not None:
                 for item in run.files:
                     if item.mime_type == "image/png" and item.record.size <= _IMAGE_BYTES:
                         images.append(await self._read_file(run.container.id, item))
-            events = self._interpreter_done(use, run, failure, images)
+            events += self._interpreter_done(use, run, failure, images)
             output = _interpreter_feedback(run, failure)
         else:
             output = json.dumps(run.record() if run is not None else {
@@ -382,7 +391,7 @@ class OpenAIAdapter:
 
     def paused(self, pause: Paused) -> list:
         """The run's code waits on client tools: the response ends with those calls."""
-        events = []
+        events = self.start()
         for call in pause.run.waiting:
             item = {"id": "fc_" + secrets.token_hex(12), "type": "function_call",
                     "call_id": call.call_id, "name": call.name,
@@ -431,7 +440,10 @@ class OpenAIAdapter:
             "status": status or self.status, "model": self.model,
             "output": self.output if output is None else output,
             "parallel_tool_calls": body.get("parallel_tool_calls", True),
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools", []),
+            "tool_choice": body.get("tool_choice", "auto"),
+            # Caronte's marker is not a tool type OpenAI's SDKs know: echoing it
+            # would fail a strictly validating client.
+            "tools": [tool for tool in body.get("tools", []) if tool.get("type") != CARONTE],
             "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
             "previous_response_id": self.request.previous_response_id,
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
@@ -459,7 +471,8 @@ class OpenAIAdapter:
         kind = item.get("type")
         if kind == "function_call" and item.get("name") == CI_FUNCTION and CI_FUNCTION in self.code_names:
             shown = {"id": "ci_" + secrets.token_hex(12), "type": "code_interpreter_call",
-                     "status": "in_progress", "code": "", "container_id": None, "outputs": None}
+                     "status": "in_progress", "code": "",
+                     "container_id": self.conversation.interpreter_container_id(), "outputs": None}
             self.output.append(shown)
             return {"kind": "interpreter", "item": dict(item), "shown": shown,
                     "index": len(self.output) - 1}
@@ -546,9 +559,10 @@ class OpenAIAdapter:
             value = usage.get(key)
             if isinstance(value, int):
                 self.usage[key] += value
-        cached = (usage.get("input_tokens_details") or {}).get("cached_tokens")
-        if isinstance(cached, int):
-            self.usage["input_tokens_details"]["cached_tokens"] += cached
+        details = usage.get("input_tokens_details") or {}
+        for key in ("cached_tokens", "cache_write_tokens"):
+            if isinstance(details.get(key), int):
+                self.usage["input_tokens_details"][key] += details[key]
         reasoning = (usage.get("output_tokens_details") or {}).get("reasoning_tokens")
         if isinstance(reasoning, int):
             self.usage["output_tokens_details"]["reasoning_tokens"] += reasoning

@@ -19,7 +19,7 @@ from typing import AsyncIterator
 import httpx
 
 from shoal.config import Settings, read_secret
-from shoal.runs import Run, RunManager, UnknownRun
+from shoal.runs import RunManager, UnknownRun
 from shoal.sessions import ContainerFile, SessionManager, UnknownContainer
 from shoal.storage import ContainerRecord, ResponseRecord
 
@@ -36,13 +36,29 @@ class UnknownResponse(LookupError):
 
 @dataclass
 class _PausedResponse:
-    """A response whose run waits for the client's tool results."""
+    """A response whose run waited for the client's tool results when it ended:
+    the run, the model's hidden call it answers, the calls the client was given,
+    and the conversation to continue from."""
 
     tenant: str
-    response_id: str
-    run: Run
+    run_id: str
     use: ToolUse
     call_ids: list[str]
+    state: dict
+
+    def stored(self) -> dict:
+        return {"run_id": self.run_id, "use_id": self.use.id, "use_name": self.use.name,
+                "calls": self.call_ids}
+
+    @classmethod
+    def from_stored(cls, tenant: str, stored: dict, state: dict) -> "_PausedResponse":
+        return cls(tenant, stored["run_id"], ToolUse(stored["use_id"], stored["use_name"], None),
+                   list(stored["calls"]), state)
+
+
+# Paused responses remembered by call id, for clients that answer with the full
+# input instead of previous_response_id; the oldest are forgotten first.
+_PAUSED_KEPT = 1024
 
 
 class Gateway:
@@ -57,8 +73,8 @@ class Gateway:
                                     else "default")
         self._openai = _upstream("openai", settings.upstream_openai_url,
                                  settings.upstream_openai_key, client)
-        # Paused runs by (tenant, call id): a request that answers one with the full
-        # input instead of previous_response_id still finds it.
+        # Paused responses by (tenant, call id): a request that answers one with
+        # the full input instead of previous_response_id still finds it.
         self._paused: dict[tuple[str, str], _PausedResponse] = {}
 
     def upstream(self, dialect: str) -> Upstream:
@@ -117,25 +133,31 @@ class Gateway:
                                 headers: dict[str, str]) -> "ResponsesSession":
         upstream = self.upstream("openai")
         containers = self.sessions.containers
-        conversation = openai.Conversation()
+        state: dict = {}
         pending = None
+        items = list(request.items)
         if request.previous_response_id is not None:
             stored = await self.sessions.metadata.get_response(tenant, request.previous_response_id)
             if stored is None:
                 raise UnknownResponse(f"Previous response with id "
                                       f"'{request.previous_response_id}' not found.")
             state = stored.state
-            conversation = openai.Conversation(list(state.get("history") or []),
-                                               state.get("interpreter_container"),
-                                               state.get("caronte_container"))
-            pending = self._paused.get((tenant, (state.get("pending_calls") or [""])[0]))
-        items = list(request.items)
-        if pending is None:
-            for item in items:
-                if item.get("type") == "function_call_output":
-                    pending = self._paused.get((tenant, str(item.get("call_id"))))
-                    if pending is not None:
-                        break
+            if state.get("paused_run"):
+                pending = _PausedResponse.from_stored(tenant, state["paused_run"], state)
+        else:
+            answering = [index for index, item in enumerate(items)
+                         if item.get("type") == "function_call_output"
+                         and (tenant, str(item.get("call_id"))) in self._paused]
+            if answering:
+                # The full conversation came back: what we kept of it replaces the
+                # client's copy, and only what follows the answers is new.
+                pending = self._paused[(tenant, str(items[answering[0]]["call_id"]))]
+                state = pending.state
+                answers = [items[index] for index in answering]
+                items = answers + items[answering[-1] + 1:]
+        conversation = openai.Conversation(list(state.get("history") or []),
+                                           state.get("interpreter_container"),
+                                           state.get("caronte_container"))
         resume = None
         if pending is not None:
             answers = [item for item in items if item.get("type") == "function_call_output"
@@ -143,7 +165,7 @@ class Gateway:
             items = [item for item in items if item not in answers]
             resume = await self._resume(pending, answers)
             if resume is None:
-                conversation.history.append(self._lost_run_output(pending))
+                conversation.history.append(await self._finished_run_output(pending))
         tool = request.code_interpreter
         if tool is not None and isinstance(tool.get("container"), str):
             conversation.interpreter_container = (await containers.get(tenant, tool["container"])).id
@@ -159,15 +181,18 @@ class Gateway:
 
         async def container(kind: str, marker: dict | None) -> ContainerRecord | None:
             if kind == "interpreter":
-                current = conversation.interpreter_container
-                if current is not None:
-                    try:
-                        return await containers.get(tenant, current)
-                    except UnknownContainer:
-                        if isinstance((marker or {}).get("container"), str):
-                            raise
+                named = isinstance((marker or {}).get("container"), str)
+                current = conversation.interpreter_container_id()
+                try:
+                    return await containers.get(tenant, current)
+                except UnknownContainer:
+                    if named:
+                        raise
+                # An auto container, made now, when the model first calls the tool
+                # (under the id the client was already shown), or anew if it expired.
                 spec = (marker or {}).get("container") or {}
-                record = await containers.create(tenant, name="code_interpreter", implicit=True,
+                record = await containers.create(tenant, current, name="code_interpreter",
+                                                 implicit=True,
                                                  memory_limit=spec.get("memory_limit"))
                 for file_id in spec.get("file_ids") or []:
                     upload, handle, _ = await self.sessions.uploads.open(tenant, file_id)
@@ -195,43 +220,51 @@ class Gateway:
         return ResponsesSession(self, tenant, request, adapter, loop, resume)
 
     async def _resume(self, pending: _PausedResponse, answers: list[dict]) -> Paused | None:
-        """Hand the client's answers to the paused run; None if the run is gone."""
-        self._forget(pending)
+        """Hand the client's answers to the paused run; None if it is no longer
+        waiting (it ended: its calls passed the wait ceiling)."""
         try:
-            if answers:
-                await self.runs.submit(pending.tenant, pending.run.id, [
+            run = self.runs.live(pending.tenant, pending.run_id)
+        except UnknownRun:
+            return None
+        if run.finished.is_set():
+            return None
+        if answers:
+            try:
+                await self.runs.submit(pending.tenant, pending.run_id, [
                     {"call_id": item["call_id"], "output": item.get("output"), "error": None}
                     for item in answers])
-        except (UnknownRun, LookupError, RuntimeError):
-            return None
-        # Waiting on it settles at once if it ended meanwhile (its calls timed out).
-        return Paused(pending.run, pending.use)
+            except (LookupError, RuntimeError):
+                return None
+        return Paused(run, pending.use)
 
-    def _lost_run_output(self, pending: _PausedResponse) -> dict:
+    async def _finished_run_output(self, pending: _PausedResponse) -> dict:
+        """The hidden call's result, for a run that ended while the client thought."""
+        try:
+            record = await self.runs.record(pending.tenant, pending.run_id)
+        except UnknownRun:
+            record = {"status": "failed", "error": "the paused run is gone"}
         return {"type": "function_call_output", "call_id": pending.use.id,
-                "output": json.dumps({"status": "failed", "error": "the paused run is gone"})}
+                "output": json.dumps(record, ensure_ascii=False)}
 
-    def pause(self, tenant: str, response_id: str, paused: Paused, call_ids: list[str]) -> None:
-        entry = _PausedResponse(tenant, response_id, paused.run, paused.use, call_ids)
-        for call_id in call_ids:
-            self._paused[(tenant, call_id)] = entry
-        paused.run.finished_callbacks.append(lambda: self._forget(entry))
-
-    def _forget(self, entry: _PausedResponse) -> None:
+    def _remember(self, entry: _PausedResponse) -> None:
         for call_id in entry.call_ids:
-            if self._paused.get((entry.tenant, call_id)) is entry:
-                del self._paused[(entry.tenant, call_id)]
+            self._paused.pop((entry.tenant, call_id), None)
+            self._paused[(entry.tenant, call_id)] = entry
+        while len(self._paused) > _PAUSED_KEPT:
+            self._paused.pop(next(iter(self._paused)))
 
     async def store_response(self, session: "ResponsesSession") -> None:
         adapter = session.adapter
         conversation = adapter.conversation
         state = {"history": conversation.history + adapter.pending_outputs(),
                  "interpreter_container": conversation.interpreter_container,
-                 "caronte_container": conversation.caronte_container,
-                 "pending_calls": [item["call_id"] for item in adapter.pending_calls]}
-        if session.loop.paused is not None:
-            self.pause(session.tenant, adapter.response_id, session.loop.paused,
-                       state["pending_calls"])
+                 "caronte_container": conversation.caronte_container}
+        paused = session.loop.paused
+        if paused is not None:
+            entry = _PausedResponse(session.tenant, paused.run.id, paused.use,
+                                    [item["call_id"] for item in adapter.pending_calls], state)
+            state["paused_run"] = entry.stored()
+            self._remember(entry)
         if not session.request.store:
             return
         await self.sessions.metadata.put_response(ResponseRecord(
