@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -158,13 +157,11 @@ async def test_coreutils(sandbox):
 
 # -- background jobs, big and odd output -------------------------------------------------------
 async def test_background_job_does_not_hold_the_call(sandbox):
-    started = time.monotonic()
+    # A call that waited for the 100 s job would hit its 20 s timeout instead.
     result = await sandbox.run_bash("sleep 100 & echo started", timeout=20)
-    elapsed = time.monotonic() - started
     assert result.return_code == 0
-    assert not result.timed_out
+    assert not result.timed_out and result.limits == []
     assert result.stdout == "started\n"
-    assert elapsed < 10, f"the call waited {elapsed:.1f}s for a background job"
     # The sandbox keeps answering.
     assert (await ok(sandbox, "echo next")).stdout == "next\n"
 

@@ -12,7 +12,9 @@ import os
 import secrets
 import subprocess
 import textwrap
-import time
+from pathlib import Path
+
+import pytest
 
 from shoal.config import Settings
 from shoal.sandbox import Limit, SandboxPool
@@ -228,20 +230,22 @@ async def test_cpu_spin_in_bash_times_out(sandbox):
     assert result.return_code == 124
     assert result.stderr.endswith("Command timed out after 2s."), result.stderr
     assert Limit.TIMEOUT in result.limits
-    assert 1500 <= result.execution_time_ms <= 10000, result.execution_time_ms
+    # Stopped at its timeout, not before; the upper bound only says it was stopped at all
+    # (a loop nothing stopped would run until the host's backstop, or forever).
+    assert 1500 <= result.execution_time_ms <= 30000, result.execution_time_ms
     after = await sandbox.run_bash("echo ok")
     assert after.stdout == "ok\n"
 
 
 async def test_background_job_does_not_hold_the_call(sandbox):
-    result = await sandbox.run_bash("sleep 100 &")
+    # A call that waited for the 100 s job would hit its 20 s timeout instead.
+    result = await sandbox.run_bash("sleep 100 &", timeout=20)
     assert result.return_code == 0
-    assert result.execution_time_ms < 5000, result.execution_time_ms
-    assert result.limits == []
+    assert result.limits == [] and not result.timed_out
     # The job was left running, as bash would; it does not block the next call either.
-    ps = await sandbox.run_bash("ps ax -o args | grep -c '^sleep 100$'")
+    ps = await sandbox.run_bash("ps ax -o args | grep -c '^sleep 100$'", timeout=20)
     assert ps.stdout.strip() == "1", ps.stdout
-    assert ps.execution_time_ms < 5000
+    assert ps.limits == [] and not ps.timed_out
 
 
 async def test_python_busy_loop_is_interrupted_and_state_survives(sandbox):
@@ -252,7 +256,9 @@ async def test_python_busy_loop_is_interrupted_and_state_survives(sandbox):
     assert result.stderr.endswith("Command timed out after 2s."), result.stderr
     assert Limit.TIMEOUT in result.limits
     assert result.restarted is False
-    assert 1500 <= result.execution_time_ms <= 10000, result.execution_time_ms
+    # Stopped at its timeout, not before; the upper bound only says it was stopped at all
+    # (a loop nothing stopped would run until the host's backstop, or forever).
+    assert 1500 <= result.execution_time_ms <= 30000, result.execution_time_ms
     after = await sandbox.run_python("print(x)")
     assert after.return_code == 0 and after.stdout == "1\n", after
     assert after.restarted is False
@@ -271,7 +277,7 @@ async def test_python_loop_swallowing_interrupts_is_still_stopped(sandbox):
     assert result.return_code == 124
     assert result.stderr.endswith("Command timed out after 1s."), result.stderr
     assert Limit.TIMEOUT in result.limits
-    assert result.execution_time_ms <= 15000
+    assert result.execution_time_ms <= 30000  # stopped at all (see above)
     after = await sandbox.run_python("print(1)")
     assert after.stdout == "1\n", after
 
@@ -317,14 +323,12 @@ async def test_timeout_above_the_ceiling_is_clamped(settings):
         box = await own.lease()
         names.append(box.name)
         try:
-            started = time.monotonic()
+            # Unclamped, the sleep would finish (return code 0) after 10 s.
             result = await box.run_bash("sleep 10", timeout=100)
-            elapsed = time.monotonic() - started
             assert result.return_code == 124
             assert result.stderr.endswith("Command timed out after 2s."), result.stderr
             assert "ceiling" in result.stderr  # the clamp is said, because it mattered
             assert Limit.TIMEOUT in result.limits
-            assert elapsed < 8, elapsed
             py = await box.run_python("import time\ntime.sleep(10)", timeout=10_000)
             assert py.return_code == 124
             assert py.stderr.endswith("Command timed out after 2s."), py.stderr
@@ -344,6 +348,81 @@ async def test_timeout_above_the_ceiling_is_clamped(settings):
     prefix = names[0].rsplit("-", 1)[0] + "-"
     leftovers["cgroups"] = [p for p in leftovers["cgroups"] if p.name.startswith(prefix)]
     assert all(not found for found in leftovers.values()), leftovers
+
+
+# ---------------------------------------------------------------------------
+# /tmp and /dev/shm
+# ---------------------------------------------------------------------------
+
+TMP_CAP_MIB = 16
+TMP_CAP = TMP_CAP_MIB * 1024 * 1024
+KiB = 1024
+
+
+@pytest.fixture(scope="module")
+async def small_tmp_pool(settings):
+    """A pool whose sandboxes have a 16 MiB /tmp and /dev/shm (the session pool's are
+    256 MiB, as large as its memory limit: filling them would hit that first)."""
+    run_dir = settings.run_dir / f"tmpcap-{secrets.token_hex(4)}"
+    own = SandboxPool(Settings(
+        pool_size=2, data_dir=settings.data_dir, run_dir=run_dir,
+        memory_limit_mib=settings.memory_limit_mib, pids_limit=settings.pids_limit,
+        output_cap_bytes=settings.output_cap_bytes, tmp_size_mib=TMP_CAP_MIB,
+        preload_modules="",
+        # Uids of our own, below the clamp test's at the far end of the session pool's range.
+        uid_base=settings.uid_base + settings.uid_count - 96, uid_count=16))
+    await own.start()
+    yield own
+    await own.close()
+    leftovers = own.leftovers()
+    leftovers["cgroups"] = [p for p in leftovers["cgroups"] if p.name.startswith(own._prefix)]
+    try:
+        run_dir.rmdir()
+    except OSError:
+        pass
+    assert all(not found for found in leftovers.values()), leftovers
+
+
+def _fields(result) -> list[str]:
+    assert result.return_code == 0, result
+    return result.stdout.split()
+
+
+@pytest.mark.parametrize("mount", ["/tmp", "/dev/shm"])
+async def test_tmpfs_fills_to_its_cap_and_no_further(small_tmp_pool, mount):
+    other_mount = "/dev/shm" if mount == "/tmp" else "/tmp"
+    box, neighbour = await small_tmp_pool.lease(), await small_tmp_pool.lease()
+    try:
+        # Four times the cap: the write stops with ENOSPC at the cap.
+        fill = await box.run_bash(f"head -c {4 * TMP_CAP} /dev/zero > {mount}/fill; echo rc=$?",
+                                  timeout=30)
+        assert fill.stdout == "rc=1\n", fill
+        assert "No space left on device" in fill.stderr, fill.stderr
+        size, total, available = map(int, _fields(await box.run_bash(
+            f"stat -c %s {mount}/fill; df -B1 --output=size,avail {mount} | tail -1")))
+        assert total == TMP_CAP, total  # the mount is exactly the configured size
+        assert TMP_CAP - 256 * KiB <= size <= TMP_CAP, size  # at the cap, not beyond
+        assert available == 0, available
+        # The same sandbox's other tmpfs has a cap of its own, untouched.
+        other_total, other_available = map(int, _fields(await box.run_bash(
+            f"df -B1 --output=size,avail {other_mount} | tail -1")))
+        assert other_total == TMP_CAP and other_available >= TMP_CAP - 256 * KiB, \
+            (other_total, other_available)
+        # Another sandbox's is its own too: empty, and it writes as usual.
+        half = TMP_CAP // 2
+        written, neighbour_available = map(int, _fields(await neighbour.run_bash(
+            f"test ! -e {mount}/fill && head -c {half} /dev/zero > {mount}/half && "
+            f"stat -c %s {mount}/half && df -B1 --output=avail {mount} | tail -1")))
+        assert written == half
+        assert TMP_CAP - half - 256 * KiB <= neighbour_available <= TMP_CAP - half
+        # Nothing of it is on the host.
+        assert not Path(mount, "fill").exists() and not Path(mount, "half").exists()
+        # Freed, the full sandbox writes again.
+        again = await box.run_bash(f"rm {mount}/fill && echo x > {mount}/small && cat {mount}/small")
+        assert again.stdout == "x\n", again
+    finally:
+        await box.close()
+        await neighbour.close()
 
 
 # ---------------------------------------------------------------------------
