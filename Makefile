@@ -16,7 +16,7 @@ serve: runtime
 # The sandbox suites run a second time on the zygote launcher.
 ZYGOTE_SUITES := tests/sandbox/test_isolation.py tests/sandbox/test_limits.py \
                  tests/sandbox/test_python.py tests/sandbox/test_bash.py tests/sandbox/test_editor.py \
-                 tests/security/test_escape.py
+                 tests/sandbox/test_hardening.py tests/security/test_escape.py
 
 test: runtime $(TEST_SYSTEM)
 	SHOAL_LAUNCHER=zygote bash scripts/run-tests.sh -q -m "not slow" $(ZYGOTE_SUITES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import sys
 
 import uvicorn
@@ -57,8 +58,18 @@ def startup_problems(settings: Settings) -> list[str]:
     return found
 
 
+def _raise_fd_limit() -> None:
+    """Every live sandbox costs the server a few fds (its channel, its pipes):
+    take the soft limit up to the hard one, as servers do (systemd's default soft
+    limit, 1024, would cap a busy server at a few hundred sandboxes)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def serve(settings: Settings) -> int:
     configure_logging(settings.log_level)
+    _raise_fd_limit()
     found = startup_problems(settings)
     if found:
         print("shoal: refusing to start:\n  - "

@@ -96,8 +96,12 @@ class TokenTable:
         return found
 
 
-def _bearer(request: Request) -> str:
+def bearer_token(request: Request) -> str:
+    """The request's bearer token (``Authorization: Bearer``, or ``x-api-key``
+    as Anthropic's SDKs before 1.0 send it), or ``""``."""
     header = request.headers.get("authorization", "")
+    if not header:
+        return request.headers.get("x-api-key", "").strip()
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
 
@@ -107,7 +111,7 @@ def is_operator(request: Request) -> bool:
     table: TokenTable = request.app.state.tokens
     if not table.enabled:
         return True
-    token = _bearer(request)
+    token = bearer_token(request)
     return bool(token) and table.is_operator(token)
 
 
@@ -116,12 +120,8 @@ def tenant_of(request: Request) -> str:
     table: TokenTable = request.app.state.tokens
     if not table.enabled:
         return OPEN_TENANT
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if not header and request.headers.get("x-api-key"):
-        # Anthropic's SDKs before 1.0 send the key as x-api-key.
-        scheme, token = "bearer", request.headers["x-api-key"]
-    tenant = table.tenant_for(token.strip()) if scheme.lower() == "bearer" and token else None
+    token = bearer_token(request)
+    tenant = table.tenant_for(token) if token else None
     if tenant is None:
         raise HTTPException(401, "missing or invalid bearer token",
                             headers={"WWW-Authenticate": "Bearer"})

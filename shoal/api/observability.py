@@ -21,7 +21,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 
 from shoal.sessions import ExecResult
 
-from .auth import is_operator
+from .auth import bearer_token, is_operator
 
 router = APIRouter()
 access_log = logging.getLogger("shoal.access")
@@ -62,8 +62,8 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     if not is_operator(request):
         table = request.app.state.tokens
-        if not table.enabled or table.tenant_for(request.headers.get("authorization", "")
-                                                 .partition(" ")[2].strip()) is None:
+        token = bearer_token(request)
+        if not token or table.tenant_for(token) is None:
             raise HTTPException(401, "missing or invalid bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
         raise HTTPException(403, "metrics describe every tenant: they need an operator token "

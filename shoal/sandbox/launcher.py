@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -52,9 +53,19 @@ class LaunchConfig:
     agent_root: Path
     tmp_size_bytes: int
     pids_limit: int
-    open_files: int = 4096
+    max_open_files: int = 4096
     # When set, sandboxes are forked from the zygote instead of started by bwrap.
     zygote: Zygote | None = None
+
+    @property
+    def open_files(self) -> int:
+        """A sandbox's RLIMIT_NOFILE: never above the server's own hard limit, which
+        a server without CAP_SYS_RESOURCE (systemd's LimitNOFILE, a container)
+        could not raise for its sandboxes. Read at each launch: it may change."""
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if hard == resource.RLIM_INFINITY:
+            return self.max_open_files
+        return min(self.max_open_files, hard)
 
     @property
     def nproc(self) -> int:

@@ -20,6 +20,7 @@ import pytest
 from tests.serving import SHOAL, Server, free_port, start_server
 
 TOKENS = "tok-a=tenant-a,tok-b=tenant-b,tok-a2=tenant-a"
+OPERATOR_TOKEN = "tok-operator"
 PRINT_ONE = {"tool": "code_execution", "input": {"code": "print(1)"}}
 UNKNOWN_ID = "0123456789abcdef0123456789abcdef"
 # uid bases for servers that must refuse to start: they never launch a sandbox,
@@ -46,7 +47,8 @@ def _bearer(token: str) -> str:
 
 @pytest.fixture(scope="module")
 def authed(server_factory) -> Server:
-    return server_factory(tokens=TOKENS, max_sessions=8, pool_size=2)
+    return server_factory(tokens=TOKENS, operator_tokens=OPERATOR_TOKEN, max_sessions=8,
+                          pool_size=2)
 
 
 @pytest.fixture
@@ -82,7 +84,9 @@ def session_of_a(authed) -> Iterator[str]:
 
 
 def _live_sessions(server: Server) -> int:
-    return httpx.get(f"{server.url}/health", timeout=10).json()["sessions"]
+    # The counts are the operator's: anonymous callers and tenants see only "ok".
+    return httpx.get(f"{server.url}/health", timeout=10,
+                     headers={"Authorization": _bearer(OPERATOR_TOKEN)}).json()["sessions"]
 
 
 # -- 401 on every route but /health ----------------------------------------------------------
@@ -179,7 +183,8 @@ def test_a_valid_token_is_accepted_on_every_route(as_a, session_of_a):
     assert as_a.get(f"/sessions/{session_of_a}/files",
                     params={"path": "f.txt"}).content == b"secret\n"
     assert as_a.get(f"/sessions/{session_of_a}/files/list").status_code == 200
-    assert as_a.get("/metrics").status_code == 200
+    # A valid tenant token, but metrics describe every tenant: the operator's only.
+    assert as_a.get("/metrics").status_code == 403
 
 
 def test_the_bearer_scheme_is_case_insensitive(authed, session_of_a):
@@ -281,7 +286,7 @@ def test_a_tokens_file_is_read(file_authed):
             assert x.post(f"/sessions/{session_id}/exec", json=PRINT_ONE).status_code == 200
             # The second line (padded with spaces) is a token of another tenant.
             assert y.get(f"/sessions/{session_id}").status_code == 404
-            assert y.get("/metrics").status_code == 200
+            assert y.get("/metrics").status_code == 403  # a valid token, not the operator's
         finally:
             x.delete(f"/sessions/{session_id}")
 
