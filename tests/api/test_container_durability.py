@@ -193,7 +193,7 @@ def test_files_outlive_an_idle_sandbox_but_interpreter_state_does_not(start):
         first.close()
 
         # Released, the sandbox is shut down as idle.
-        _wait_for(lambda: not _processes_of(server, uid), 15, "the idle sandbox to shut down")
+        _wait_for(lambda: not _processes_of(server, uid), 60, "the idle sandbox to shut down")
 
         # Request 2: same container, a fresh sandbox on the same files.
         second = Attached(http, container)
@@ -415,7 +415,7 @@ def test_expired_containers_are_reaped(start, tmp_path):
             with sqlite3.connect(data_dir / "shoal.sqlite3") as db:
                 return dict(db.execute("SELECT id, status FROM containers").fetchall())
 
-        _wait_for(lambda: statuses()[ids["doomed"]] == "expired", 10,
+        _wait_for(lambda: statuses()[ids["doomed"]] == "expired", 60,
                   "the reaper to retire the expired container")
         assert statuses() == {ids["doomed"]: "expired", ids["kept"]: "active"}
         assert len(images()) == 1  # the kept container's, still served below

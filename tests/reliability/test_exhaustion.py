@@ -470,7 +470,7 @@ def test_sessions_up_to_capacity_then_503_then_all_released(shoal):
         health = http.get("/health").json()
         assert health["status"] == "ok" and health["sessions"] == 0, health
         # Only the warm pool's sandboxes still run, once it has refilled.
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             running = {p["uid"] for p in processes_in(busy.uids) if p["state"] != "Z"}
             ready = http.get("/health").json()["pool_ready"]

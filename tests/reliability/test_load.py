@@ -172,7 +172,7 @@ def test_200_concurrent_sessions_of_20_mixed_calls(shoal):
 
 
 # -- soak ---------------------------------------------------------------------------------------------
-def _settled_figures(server: ShoalServer, http: httpx.Client, timeout: float = 30) -> dict:
+def _settled_figures(server: ShoalServer, http: httpx.Client, timeout: float = 120) -> dict:
     """The server's figures once no session is live and the warm pool is full."""
     pool_size = int(server.settings["pool_size"])
     deadline = time.monotonic() + timeout

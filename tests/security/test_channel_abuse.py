@@ -46,7 +46,10 @@ from jsonschema import Draft202012Validator
 from tests.security.helpers import execute, leaked, new_session, run_ok
 
 BACKSTOP = 3.0  # shoal.sandbox.sandbox.BACKSTOP_SECONDS
-SLACK = 4.0  # a loaded two-core machine
+# The bounds below say a call was answered at all, by its own timeout and the host's
+# backstop, instead of waiting for ever (the clients give up after 60 s); the slack
+# is that generous so that a loaded two-core machine never fails them.
+SLACK = 30.0
 OUTPUT_CAP = 1024 * 1024  # the server's default output_cap_bytes
 
 # Finds the channel the way an attacker would, and the id of the call in flight.
@@ -99,15 +102,20 @@ def bystander(security_server):
 
 @pytest.fixture(autouse=True)
 def other_sessions_unaffected(security_server, bystander):
-    yield
     session, token = bystander
-    with httpx.Client(base_url=security_server.url, timeout=30) as http:
-        started = time.monotonic()
+    with httpx.Client(base_url=security_server.url, timeout=60) as http:
+        baseline = execute(http, session, "print(kept)").seconds
+    yield
+    with httpx.Client(base_url=security_server.url, timeout=60) as http:
         answer = execute(http, session, "print(kept)")
         assert answer.status == 200, answer.text
         assert answer.content["stdout"] == f"{token}\n", answer.content
         assert not answer.body["interpreter_restarted"]
-        assert time.monotonic() - started < 5, "the bystander session was slowed down"
+        # Slowed down for good (a stuck worker, a busy loop left by the attack) fails;
+        # a busy machine does not: the bound is relative to the same call just before.
+        bound = max(10.0, 20 * baseline)
+        assert answer.seconds < bound, \
+            f"the bystander session was slowed down: {answer.seconds:.1f}s (baseline {baseline:.2f}s)"
         assert http.get("/health").status_code == 200
 
 
@@ -156,7 +164,7 @@ def test_a_forged_done_answers_only_its_own_call(http, victim):
         "import time; time.sleep(0.3)\nprint('the real end of the call')"))
     assert answer.status == 200, answer.text
     assert answer.content["return_code"] == 3  # a program may lie about its own result
-    assert answer.seconds < 5
+    assert answer.seconds < 30  # answered, not left waiting for the 60 s default timeout
     # The agent's own `done` for that call arrives late and must not answer the next one.
     for n in range(3):
         following = execute(http, victim, f"print({n} * 2)")
@@ -347,7 +355,7 @@ def test_flooding_the_channel_is_capped(http, victim):
         "chunk = frame({'id': CALL_ID, 'type': 'out', 'stream': 'stdout', 'data': 'F' * 1000})\n"
         "send(chunk * 20000)\n"))
     assert answer.status == 200, answer.text[:300]
-    assert answer.seconds < 15
+    assert answer.seconds < 45  # answered before the client gives up (60 s)
     stdout = answer.content["stdout"]
     assert len(stdout) <= OUTPUT_CAP + 64, len(stdout)
     assert stdout.endswith("...[truncated]")
@@ -362,28 +370,31 @@ def test_flooding_the_channel_is_capped(http, victim):
 
 
 def test_a_flood_from_a_thread_during_calls(http, victim):
+    # The flood runs until a call tells it to stop (at most two minutes), so the
+    # calls below are sure to run while it does.
     started = run_ok(http, victim, FORGE + (
         "import threading, time\n"
+        "flood_done = threading.Event()\n"
         "def flood():\n"
         "    junk = frame({'id': 0, 'type': 'out', 'stream': 'stdout', 'data': 'J' * 200})\n"
-        "    end = time.monotonic() + 3\n"
-        "    while time.monotonic() < end:\n"
-        "        try:\n"
+        "    end = time.monotonic() + 120\n"
+        "    try:\n"
+        "        while time.monotonic() < end and not os.path.exists('/tmp/stop-flood'):\n"
         "            os.write(CHANNEL, junk)\n"
-        "        except OSError:\n"
-        "            return\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    flood_done.set()\n"
         "threading.Thread(target=flood, daemon=True).start()\nprint('flooding')"))
     assert started["stdout"] == "flooding\n"
-    deadline = time.monotonic() + 4
-    calls = 0
-    while time.monotonic() < deadline:
-        answer = execute(http, victim, "print('during')", timeout=3)
-        calls += 1
+    for _ in range(3):
+        answer = execute(http, victim, "print('during', flood_done.is_set())", timeout=3)
         assert answer.status == 200, answer.text[:300]
         assert answer.seconds < 3 + BACKSTOP + SLACK
-        assert "J" * 200 not in answer.content["stdout"]
-    assert calls >= 2
-    time.sleep(0.5)
+        assert answer.content["stdout"] == "during False\n", answer.content
+    stopped = execute(http, victim, "open('/tmp/stop-flood', 'w').close()\n"
+                                    "print(flood_done.wait(30))", timeout=40)
+    assert stopped.status == 200, stopped.text[:300]
+    assert stopped.content["stdout"] == "True\n", stopped.content
     assert recovers(http, victim)
 
 
