@@ -1,70 +1,273 @@
-"""Schemathesis over the OpenAPI document a real Shoal server serves at /openapi.json.
+"""Schemathesis over every route of a real Shoal server, checked against real schemas.
 
-Every operation the served document lists is called with generated inputs
-(valid and invalid path and query parameters, odd strings, huge integers,
-unknown query parameters): no response may be a 5xx, and where the document
-declares a schema for the status returned, the body must conform to it.
+Two fuzzers run against one server:
 
-Each generated case is sent twice: once as generated (ids that do not exist,
-so mostly the 404 paths), and once with its session, container, scope and file
-ids replaced by live ones, so the fuzzed parameters reach the code behind the
-lookup (file paths, prefixes, pagination, content dispositions).
+- the contract's (``code-execution-openapi.yaml``, the protocol Shoal implements):
+  its operations are called with inputs generated from the contract's own request
+  schemas, and every answer must conform to the contract's response schemas;
+- the served document's (``/openapi.json``): every operation the server lists,
+  which must be every route it serves (``test_the_served_document_lists_every_route``
+  reads them from the app itself, and ``test_every_listed_operation_was_fuzzed``
+  checks each was called). Its answers are held to the schemas of the dialect
+  their clients parse, not only to what the server says about itself: an error
+  must be in its dialect's shape (the protocol's ``{"detail"}``, OpenAI's error
+  object, Anthropic's error response, each as strictly as its SDK parses it),
+  with the request id the response's header carries; an OpenAI object (a
+  container, a container file, a file, a deletion) must parse as the official
+  ``openai`` package's model of it; and everything else must conform to the
+  served document.
 
-What had to be configured (nothing is excluded):
-- ``MAX_EXAMPLES`` generated cases per operation in the fuzzing phase (the
-  examples and coverage phases run as schemathesis sets them), no deadline, and
-  Hypothesis' health checks off (they trip on a real server's latency);
-- schemathesis 4's lazy loader renames the running test through
-  ``Node._nodeid``, which pytest 9 no longer has: an autouse fixture gives it back;
-- the server reaps idle sessions quickly and has room for many, because the
-  fuzzer creates sessions it never releases, and a full house (503) would be
-  counted as a server error;
-- one known mismatch is tolerated by the conformance check and kept as its own
-  strict xfail below: Shoal's own 422 answers carry ``{"detail": "<text>"}``
-  where the served document declares FastAPI's ``HTTPValidationError``
-  (``detail`` an array of ``{loc, msg, type}``). Every other schema violation fails.
+No response may be a 5xx. Each generated case is sent twice: once as generated
+(ids that do not exist, so mostly the 404 paths), and once with its session,
+container, scope and file ids replaced by live ones, so that the fuzzed
+parameters reach the code behind the lookup.
+
+One known mismatch is kept as a strict xfail of its own, not swallowed by the
+checks: the served document declares the protocol's error body for every error,
+while the OpenAI- and Anthropic-dialect routes (rightly) answer in their own shape
+(``test_the_served_document_declares_the_dialect_error_shapes``). Only that case
+is exempt from the served-document conformance check; the dialect check still
+holds those answers to their real shape.
+
+What had to be configured: ``MAX_EXAMPLES`` (``CONTRACT_EXAMPLES``) generated cases
+per operation in the fuzzing phase, no deadline, Hypothesis' health checks off (they trip on a real
+server's latency); schemathesis 4's lazy loader renames the running test through
+``Node._nodeid``, which pytest 9 no longer has (an autouse fixture gives it back);
+the server reaps idle sessions quickly and has room for many, because the fuzzer
+creates sessions it never releases, and a full house (503) would be a server error.
 """
 
 from __future__ import annotations
 
 import base64
+import re
 from collections import Counter
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
+import anthropic.types
 import httpx
 import hypothesis
+import openai.types
+import openai.types.containers
+import pydantic
 import pytest
 import schemathesis
+import yaml
+from fastapi.routing import APIRoute
 from hypothesis import HealthCheck
 from jsonschema import Draft202012Validator
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
+from starlette.routing import Route
+
+from shoal.app import create_app
+from shoal.config import Settings
 
 MAX_EXAMPLES = 20
+# The contract's operations are fuzzed by the served document's fuzzer too; here they
+# are held to the contract's schemas, with fewer cases.
+CONTRACT_EXAMPLES = 10
+
+_SHARED_SPEC = Path(__file__).resolve().parents[3] / "shared" / "spec" / "code-execution-openapi.yaml"
+_VENDORED_SPEC = Path(__file__).resolve().parents[1] / "api" / "spec" / "code-execution-openapi.yaml"
+CONTRACT = yaml.safe_load((_SHARED_SPEC if _SHARED_SPEC.exists() else _VENDORED_SPEC).read_text())
 
 
-def _detail_is_text(response) -> bool:
-    try:
-        body = response.json()
-    except Exception:
-        return False
-    return isinstance(body, dict) and isinstance(body.get("detail"), str)
+# -- the real schemas ---------------------------------------------------------------------------------
+PROTOCOL, OPENAI, ANTHROPIC = "protocol", "openai", "anthropic"
+_OPENAI_PREFIXES = ("/v1/responses", "/v1/containers", "/v1/code-execution", "/v1/runtime")
+
+
+def dialect_of(path: str, query: dict, headers: dict) -> str:
+    """Whose clients an answer is for, by the rule Shoal documents (shoal.api.errors):
+    OpenAI's routes and the tenant Files API, Anthropic's routes (and the Files API
+    asked with ``anthropic-version``), else the protocol (Zylon's Files API included)."""
+    if path.startswith("/api/gpt/"):
+        path = path[len("/api/gpt"):]
+    if path.startswith("/v1/messages"):
+        return ANTHROPIC
+    if path.startswith(_OPENAI_PREFIXES):
+        return OPENAI
+    if path.startswith("/v1/files"):
+        if "scope_id" in query:
+            return PROTOCOL
+        return ANTHROPIC if "anthropic-version" in {k.lower() for k in headers} else OPENAI
+    return PROTOCOL
+
+
+_REQUEST_ID = {"type": "string", "minLength": 1}
+# Exactly the keys each dialect's clients read (plus the request id Shoal adds), with
+# the types they expect; the SDK models below are checked as well.
+ERROR_SCHEMAS = {
+    PROTOCOL: {
+        "type": "object", "required": ["detail"], "additionalProperties": False,
+        "properties": {"request_id": _REQUEST_ID, "detail": {"oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": {
+                "type": "object", "required": ["loc", "msg", "type"],
+                "properties": {"loc": {"type": "array"}, "msg": {"type": "string"},
+                               "type": {"type": "string"}}}},
+        ]}},
+    },
+    OPENAI: {
+        "type": "object", "required": ["error"], "additionalProperties": False,
+        "properties": {"request_id": _REQUEST_ID, "error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "additionalProperties": False,
+            "properties": {"message": {"type": "string", "minLength": 1},
+                           "type": {"type": "string", "minLength": 1},
+                           "param": {"type": ["string", "null"]},
+                           "code": {"type": ["string", "null"]}}}},
+    },
+    ANTHROPIC: {
+        "type": "object", "required": ["type", "error"], "additionalProperties": False,
+        "properties": {"request_id": _REQUEST_ID, "type": {"const": "error"}, "error": {
+            "type": "object", "required": ["type", "message"], "additionalProperties": False,
+            "properties": {"type": {"type": "string"},
+                           "message": {"type": "string", "minLength": 1}}}},
+    },
+}
+ERROR_VALIDATORS = {name: Draft202012Validator(schema) for name, schema in ERROR_SCHEMAS.items()}
+
+
+def _sdk_error(dialect: str, body: dict) -> None:
+    """The official SDKs' own models of an error."""
+    if dialect == OPENAI:
+        openai.types.shared.ErrorObject.model_validate(body["error"])
+    elif dialect == ANTHROPIC:
+        anthropic.types.ErrorResponse.model_validate(body)
+
+
+class _Deleted(pydantic.BaseModel):
+    """OpenAI's deletion status of a container or a container file (the SDK's delete
+    returns None, so it has no model of it)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+    id: str
+    object: str
+    deleted: bool
+
+
+class _ListOf:
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def validate(self, body: dict) -> None:
+        assert body.get("object") == "list", body
+        assert isinstance(body.get("has_more"), bool), body
+        for item in body["data"]:
+            self.model.model_validate(item)
+
+
+# OpenAI objects, by operation: the official package's models of them.
+OPENAI_OBJECTS = {
+    ("POST", "/v1/containers"): openai.types.ContainerCreateResponse,
+    ("GET", "/v1/containers"): _ListOf(openai.types.ContainerListResponse),
+    ("GET", "/v1/containers/{container_id}"): openai.types.ContainerRetrieveResponse,
+    ("DELETE", "/v1/containers/{container_id}"): _Deleted,
+    ("POST", "/v1/containers/{container_id}/files"): openai.types.containers.FileCreateResponse,
+    ("GET", "/v1/containers/{container_id}/files"): _ListOf(openai.types.containers.FileListResponse),
+    ("GET", "/v1/containers/{container_id}/files/{file_id}"):
+        openai.types.containers.FileRetrieveResponse,
+    ("DELETE", "/v1/containers/{container_id}/files/{file_id}"): _Deleted,
+    ("POST", "/v1/files"): openai.types.FileObject,
+    ("GET", "/v1/files"): _ListOf(openai.types.FileObject),
+    ("GET", "/v1/files/{file_id}"): openai.types.FileObject,
+    ("DELETE", "/v1/files/{file_id}"): openai.types.FileDeleted,
+}
+_DELETED_OBJECTS = {("DELETE", "/v1/containers/{container_id}"): "container.deleted",
+                    ("DELETE", "/v1/containers/{container_id}/files/{file_id}"):
+                        "container.file.deleted"}
+
+
+_CONTAINER_OBJECTS = {("POST", "/v1/containers"), ("GET", "/v1/containers"),
+                      ("GET", "/v1/containers/{container_id}")}
+
+
+def _but_the_known_deviation(key: tuple[str, str], body: dict) -> dict:
+    """A container made without a name is answered with ``"name": null``, where OpenAI
+    requires a name and always answers a string: the known deviation of
+    ``test_a_container_without_a_name_is_answered_as_openai_does`` (a strict xfail),
+    exempted here only, so that the rest of the object is still checked."""
+    if key not in _CONTAINER_OBJECTS:
+        return body
+
+    def named(item: dict) -> dict:
+        return {**item, "name": ""} if isinstance(item, dict) and item.get("name", "") is None else item
+
+    if key == ("GET", "/v1/containers") and isinstance(body.get("data"), list):
+        return {**body, "data": [named(item) for item in body["data"]]}
+    return named(body)
+
+
+def _request_facts(response, case) -> tuple[str, dict, dict]:
+    url = urlsplit(str(response.request.url))
+    return url.path, parse_qs(url.query, keep_blank_values=True), dict(response.request.headers)
+
+
+def _header(response, name: str) -> str | None:
+    for key, value in response.headers.items():
+        if key.lower() == name:
+            return value[0] if isinstance(value, list) else value
+    return None
 
 
 @schemathesis.check
-def conforms_but_for_the_known_422_mismatch(ctx, response, case):
-    """``response_schema_conformance``, except the 422 text-detail mismatch
-    (see ``test_422_answers_match_the_served_document``)."""
-    try:
-        return response_schema_conformance(ctx, response, case)
-    except Exception:
-        if response.status_code == 422 and _detail_is_text(response):
-            return None
-        raise
+def errors_in_their_dialects_shape(ctx, response, case):
+    """Every error is JSON in the shape its dialect's clients parse, carrying the
+    request id of the response's header."""
+    if response.status_code < 400 or case.method.upper() == "HEAD":
+        return None  # (a HEAD answer has no body to check)
+    path, query, headers = _request_facts(response, case)
+    dialect = dialect_of(path, query, headers)
+    content_type = _header(response, "content-type") or ""
+    assert content_type.startswith("application/json"), \
+        f"a {response.status_code} that is not JSON ({content_type!r}): {response.text[:300]}"
+    body = response.json()
+    problems = [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+                for e in ERROR_VALIDATORS[dialect].iter_errors(body)]
+    assert not problems, f"not a {dialect} error body: {problems}: {response.text[:500]}"
+    _sdk_error(dialect, body)
+    assert body.get("request_id") == _header(response, "x-request-id"), \
+        (body.get("request_id"), _header(response, "x-request-id"))
+    return None
 
 
-CHECKS = [not_a_server_error, conforms_but_for_the_known_422_mismatch]
+@schemathesis.check
+def openai_objects_as_the_sdk_parses_them(ctx, response, case):
+    """An OpenAI object answered in OpenAI's dialect parses as the openai package's model."""
+    key = (case.method.upper(), case.operation.path)
+    model = OPENAI_OBJECTS.get(key)
+    path, query, headers = _request_facts(response, case)
+    if model is None or not 200 <= response.status_code < 300:
+        return None
+    if dialect_of(path, query, headers) != OPENAI:
+        return None  # Zylon's Files API on the same routes (scope_id)
+    body = _but_the_known_deviation(key, response.json())
+    model.validate(body) if isinstance(model, _ListOf) else model.model_validate(body)
+    if key in _DELETED_OBJECTS:
+        assert body["object"] == _DELETED_OBJECTS[key] and body["deleted"] is True, body
+    return None
 
 
+@schemathesis.check
+def conforms_to_the_served_document(ctx, response, case):
+    """``response_schema_conformance`` against /openapi.json, except for the one known
+    mismatch (dialect-shaped errors, see the strict xfail below), whose answers the
+    dialect check holds to their real shape instead."""
+    path, query, headers = _request_facts(response, case)
+    if response.status_code >= 400 and dialect_of(path, query, headers) != PROTOCOL:
+        return None
+    return response_schema_conformance(ctx, response, case)
+
+
+SERVED_CHECKS = [not_a_server_error, errors_in_their_dialects_shape,
+                 openai_objects_as_the_sdk_parses_them, conforms_to_the_served_document]
+CONTRACT_CHECKS = [not_a_server_error, response_schema_conformance, errors_in_their_dialects_shape]
+
+
+# -- the server and live ids --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fuzzed_server(shoal):
     return shoal(pool_size=2, max_sessions=256, disk_limit_mib=32, idle_timeout_seconds=10,
@@ -126,6 +329,7 @@ class LiveIds:
 
 
 STATUSES: Counter = Counter()
+FUZZED: set[tuple[str, str]] = set()
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +345,11 @@ def api_schema(fuzzed_server):
     return schemathesis.openapi.from_url(f"{fuzzed_server.url}/openapi.json", timeout=30)
 
 
+@pytest.fixture(scope="module")
+def contract_schema():
+    return schemathesis.openapi.from_dict(CONTRACT)
+
+
 @pytest.fixture(autouse=True)
 def _node_id_for_schemathesis(request):
     # schemathesis 4.x renames the running test through ``Node._nodeid``, which
@@ -149,37 +358,122 @@ def _node_id_for_schemathesis(request):
         request.node._nodeid = request.node.nodeid
 
 
-schema = schemathesis.pytest.from_fixture("api_schema")
+served = schemathesis.pytest.from_fixture("api_schema")
+contract = schemathesis.pytest.from_fixture("contract_schema")
+SETTINGS = hypothesis.settings(max_examples=MAX_EXAMPLES, deadline=None,
+                               suppress_health_check=list(HealthCheck))
 
 
-@schema.parametrize()
-@hypothesis.settings(max_examples=MAX_EXAMPLES, deadline=None,
-                     suppress_health_check=list(HealthCheck))
-def test_no_server_errors_and_documented_shapes(case, live):
-    STATUSES[case.call_and_validate(checks=CHECKS, timeout=60).status_code] += 1
+@served.parametrize()
+@SETTINGS
+def test_every_served_route_answers_in_real_shapes(case, live):
+    FUZZED.add((case.method.upper(), case.operation.path))
+    STATUSES[case.call_and_validate(checks=SERVED_CHECKS, timeout=60).status_code] += 1
     if live.apply(case):
-        STATUSES[case.call_and_validate(checks=CHECKS, timeout=60).status_code] += 1
+        STATUSES[case.call_and_validate(checks=SERVED_CHECKS, timeout=60).status_code] += 1
 
 
-def test_the_served_document_lists_every_route(fuzzed_server):
-    """The fuzzing above covers what the document lists: make sure that is every
-    route the app serves (a route missing from the document is never fuzzed)."""
+@contract.parametrize()
+@hypothesis.settings(SETTINGS, max_examples=CONTRACT_EXAMPLES)
+def test_the_contracts_routes_answer_as_the_contract_says(case, live, fuzzed_server):
+    STATUSES[case.call_and_validate(base_url=fuzzed_server.url, checks=CONTRACT_CHECKS,
+                                    timeout=60).status_code] += 1
+    if live.apply(case):
+        STATUSES[case.call_and_validate(base_url=fuzzed_server.url, checks=CONTRACT_CHECKS,
+                                        timeout=60).status_code] += 1
+
+
+# -- every route is listed, and every listed route was fuzzed -----------------------------------------
+def _app_routes(routes, prefix: str = "", listed: bool = True):
+    """(method, path, included in the schema) of every route the app serves."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            for method in route.methods:
+                yield method, prefix + route.path, listed and route.include_in_schema
+        elif hasattr(route, "original_router"):  # an included router (FastAPI >= 0.120)
+            context = route.include_context
+            yield from _app_routes(route.original_router.routes, prefix + context.prefix,
+                                   listed and context.include_in_schema)
+        elif hasattr(route, "routes"):  # a mount
+            yield from _app_routes(route.routes, prefix + route.path, listed)
+        elif isinstance(route, Route):
+            for method in route.methods or ():
+                yield method, prefix + route.path, getattr(route, "include_in_schema", True)
+        else:
+            raise AssertionError(f"a route of an unknown kind: {route!r}")
+
+
+def _listed(document: dict) -> set[tuple[str, str]]:
+    methods = {"get", "put", "post", "delete", "patch", "head", "options", "trace"}
+    return {(method.upper(), path) for path, item in document["paths"].items()
+            for method in item if method in methods}
+
+
+def test_the_served_document_lists_every_route(fuzzed_server, tmp_path):
+    """Fuzzing covers what the document lists: it must be every route the app serves,
+    read from the app itself (a route missing from the document is never fuzzed)."""
+    app = create_app(Settings(data_dir=tmp_path / "data", run_dir=tmp_path / "run"))
+    served_routes = {(method, re.sub(r"\{(\w+):\w+\}", r"{\1}", path))
+                     for method, path, _ in _app_routes(app.routes)}
+    served_routes -= {("GET", "/openapi.json"), ("HEAD", "/openapi.json")}  # the document itself
     document = httpx.get(f"{fuzzed_server.url}/openapi.json", timeout=30).json()
-    listed = {(method.upper(), path) for path, item in document["paths"].items()
-              for method in item}
-    for expected in [("POST", "/sessions"), ("POST", "/sessions/{session_id}/exec"),
-                     ("GET", "/sessions/{session_id}/files"), ("POST", "/v1/files"),
-                     ("GET", "/v1/containers"), ("GET", "/health")]:
-        assert expected in listed, expected
+    listed = _listed(document)
+    assert served_routes - listed == set(), "served but not listed, so never fuzzed"
+    assert listed - served_routes == set(), "listed but not served"
+    assert len(listed) >= 30, sorted(listed)  # the sanity of the walk above
 
 
-# -- what the fuzzer found, kept as regression tests ------------------------------------------------
+def test_every_listed_operation_was_fuzzed(fuzzed_server):
+    if not FUZZED:
+        pytest.skip("the served-route fuzzer was not selected in this run")
+    document = httpx.get(f"{fuzzed_server.url}/openapi.json", timeout=30).json()
+    assert _listed(document) - FUZZED == set()
+
+
+# -- the one known mismatch, kept visible -------------------------------------------------------------
 def _declared_schema(document: dict, method: str, path: str, status: int) -> dict:
     response = document["paths"][path][method]["responses"][str(status)]
     schema = response["content"]["application/json"]["schema"]
     return {**schema, "components": document["components"]}
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "shoal bug, reported: /openapi.json declares the protocol's ErrorBody ({detail}) "
+    "for the errors of OpenAI-dialect routes, which answer OpenAI's {error: {...}}; "
+    "declare each dialect's error schema (shoal/api) and remove this mark"))
+@pytest.mark.parametrize("method, path, url, status", [
+    ("get", "/v1/containers/{container_id}", "/v1/containers/cnt_nosuch", 404),
+    ("get", "/v1/containers/{container_id}/files", "/v1/containers/cnt_nosuch/files", 404),
+])
+def test_the_served_document_declares_the_dialect_error_shapes(fuzzed_server, method, path, url,
+                                                              status):
+    with httpx.Client(base_url=fuzzed_server.url, timeout=30) as http:
+        document = http.get("/openapi.json").json()
+        response = http.request(method.upper(), url)
+    assert response.status_code == status, response.text
+    validator = Draft202012Validator(_declared_schema(document, method, path, status))
+    errors = [error.message for error in validator.iter_errors(response.json())]
+    assert errors == [], f"{response.text[:300]} breaks the declared schema: {errors}"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "shoal bug, reported: POST /v1/containers without a name makes a container and answers "
+    "\"name\": null; OpenAI requires a name (a 400 without one) and its container object's "
+    "name is a string (openai.types.ContainerCreateResponse); fix shoal/api/containers.py, "
+    "remove this mark and _but_the_known_deviation"))
+def test_a_container_without_a_name_is_answered_as_openai_does(fuzzed_server):
+    with httpx.Client(base_url=fuzzed_server.url, timeout=30) as http:
+        response = http.post("/v1/containers", json={})
+        if response.status_code == 200:
+            http.delete(f"/v1/containers/{response.json()['id']}")
+    if response.status_code == 400:
+        assert ERROR_VALIDATORS[OPENAI].is_valid(response.json()), response.text
+        return
+    assert response.status_code == 200, response.text
+    openai.types.ContainerCreateResponse.model_validate(response.json())
+
+
+# -- what the fuzzer found, kept as regression tests ------------------------------------------------
 @pytest.mark.parametrize("method, path, url", [
     ("put", "/v1/files/{key}", "/v1/files/0?scope_id="),
     ("post", "/v1/files", "/v1/files?scope_id=null"),
