@@ -51,10 +51,11 @@ DEFAULT_RUN_DIR = Path("/run/shoal-test")
 DEFAULTS = {"pool_size": 2, "memory_limit_mib": 512}
 
 
-def launcher() -> str:
-    """The launcher the servers of this test run use: ``SHOAL_LAUNCHER`` of the test
-    process (the Makefile's zygote pass sets it), else bubblewrap."""
-    return os.environ.get("SHOAL_LAUNCHER") or "bwrap"
+def launcher() -> str | None:
+    """The launcher the servers of this test run are told to use: ``SHOAL_LAUNCHER`` of
+    the test process (a pass of the Makefile sets it); None leaves the server's own
+    default."""
+    return os.environ.get("SHOAL_LAUNCHER") or None
 
 
 def start_server(tmp_path: Path, uid_base: int, data_dir: Path | None = None, *,
@@ -68,6 +69,8 @@ def start_server(tmp_path: Path, uid_base: int, data_dir: Path | None = None, *,
     environment has no ``SHOAL_*`` variable, so only the flags count; the launcher
     is the test run's (:func:`launcher`) unless ``launcher=`` is given.
     """
+    if launcher() is not None:
+        settings.setdefault("launcher", launcher())
     port = free_port()
     data_dir = data_dir or tmp_path / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +79,7 @@ def start_server(tmp_path: Path, uid_base: int, data_dir: Path | None = None, *,
     environment.update(env or {})
     args = [str(SHOAL), "serve", "--port", str(port), "--data-dir", str(data_dir),
             "--run-dir", str(run_dir), "--uid-base", str(uid_base)]
-    for name, value in {**DEFAULTS, "launcher": launcher(), **settings}.items():
+    for name, value in {**DEFAULTS, **settings}.items():
         args += [f"--{name.replace('_', '-')}", str(value)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=environment)

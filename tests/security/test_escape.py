@@ -64,7 +64,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import serving
 from tests.security.helpers import execute, http_probe, new_session, probe, probe_child, run_ok
 
 X86_64 = pytest.mark.skipif(platform.machine() != "x86_64",
@@ -897,8 +896,9 @@ def _uid_of(pid: int) -> int | None:
 
 
 def test_the_http_server_runs_on_the_launcher_of_this_run(security_server):
-    """The server fixtures honour SHOAL_LAUNCHER (tests/serving.py), so that the
-    Makefile's zygote pass runs its HTTP tests on the zygote, not on bwrap."""
+    """The server fixtures honour SHOAL_LAUNCHER (tests/serving.py), so that a pass of
+    the Makefile that names a launcher runs its HTTP tests on it too; without one, the
+    server's own choice is one of the two."""
     with httpx.Client(base_url=security_server.url, timeout=60) as http:
         session = new_session(http)
         try:
@@ -906,7 +906,9 @@ def test_the_http_server_runs_on_the_launcher_of_this_run(security_server):
             seen = _launcher_of_sandbox(uid, security_server.process.pid)
         finally:
             http.delete(f"/sessions/{session}")
-    assert seen == serving.launcher(), f"SHOAL_LAUNCHER={os.environ.get('SHOAL_LAUNCHER')!r}"
+    named = os.environ.get("SHOAL_LAUNCHER")
+    expected = {named} if named else {"bwrap", "zygote"}
+    assert seen in expected, f"SHOAL_LAUNCHER={os.environ.get('SHOAL_LAUNCHER')!r}: {seen}"
 
 
 async def test_pid_1_ignores_signals_from_inside(sandbox):
