@@ -13,13 +13,14 @@ TEST_SYSTEM := $(VENV)/.shoal-test-system
 serve: runtime
 	$(BIN)/shoal serve
 
-# The sandbox suites run a second time on the zygote launcher.
-ZYGOTE_SUITES := tests/sandbox/test_isolation.py tests/sandbox/test_limits.py \
-                 tests/sandbox/test_python.py tests/sandbox/test_bash.py tests/sandbox/test_editor.py \
-                 tests/sandbox/test_hardening.py tests/security/test_escape.py
+# Everything runs on the default launcher (the zygote); the sandbox and escape
+# suites run a second time on bubblewrap, the fallback.
+BWRAP_SUITES := tests/sandbox/test_isolation.py tests/sandbox/test_limits.py \
+                tests/sandbox/test_python.py tests/sandbox/test_bash.py tests/sandbox/test_editor.py \
+                tests/sandbox/test_hardening.py tests/security/test_escape.py
 
 test: runtime $(TEST_SYSTEM)
-	SHOAL_LAUNCHER=zygote bash scripts/run-tests.sh -q -m "not slow" $(ZYGOTE_SUITES)
+	SHOAL_LAUNCHER=bwrap bash scripts/run-tests.sh -q -m "not slow" $(BWRAP_SUITES)
 	bash scripts/run-tests.sh -m "not slow"
 
 test-slow: runtime

@@ -52,11 +52,22 @@ def _runtime_build(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from .server import startup_problems
 
-    found = startup_problems(settings_from(args))
+    from .sandbox.preflight import zygote_problems
+
+    settings = settings_from(args)
+    found = startup_problems(settings)
     if found:
         print("Shoal cannot run here:\n  - " + "\n  - ".join(found), file=sys.stderr)
         return 1
     print("isolation: bubblewrap, seccomp, cgroups and the runtime are all available")
+    if settings.launcher == "bwrap":
+        print("launcher: bwrap (chosen by the setting)")
+        return 0
+    slow = zygote_problems()
+    if slow:
+        print("launcher: bwrap, because the zygote cannot run here:\n  - " + "\n  - ".join(slow))
+    else:
+        print("launcher: zygote (forked sandboxes, each in its own user namespace)")
     return 0
 
 

@@ -99,13 +99,23 @@ class Settings(BaseSettings):
                                             "previous_response_id).")
 
     # -- the sandbox -----------------------------------------------------------
-    launcher: str = Field("bwrap", pattern="^(bwrap|zygote)$",
-                          description="How sandboxes start: 'bwrap' (a bubblewrap process "
-                                      "each) or 'zygote' (forked from one process with the "
-                                      "preloaded modules imported, sharing their memory).")
+    launcher: str = Field("zygote", pattern="^(bwrap|zygote)$",
+                          description="How sandboxes start: 'zygote' (forked from one process "
+                                      "with the preloaded modules imported, sharing their "
+                                      "memory; bubblewrap where it cannot run) or 'bwrap' (a "
+                                      "bubblewrap process each).")
     pool_size: int = Field(4, ge=0, description="Warm sandboxes kept ready to lease.")
-    preload_modules: str = Field("numpy,pandas", description="Modules imported in every warm "
-                                                             "sandbox before it is leased.")
+    pool_max: int = Field(32, ge=0, description="How far the warm pool grows past pool_size "
+                          "while leases outrun it (a burst); it shrinks back when they stop.")
+    launch_concurrency: int = Field(8, ge=1, description="Sandboxes started at once. Most of a "
+                                    "start is waiting on the kernel (cgroup attach, new "
+                                    "namespaces), so several overlap well even on two cores.")
+    launch_queue: int = Field(64, ge=1, description="Leases that may wait for a sandbox to "
+                              "start when none is warm; more answer 503 with Retry-After at "
+                              "once rather than queue without bound.")
+    preload_modules: str = Field("numpy,pandas,matplotlib.pyplot",
+                                 description="Modules imported in every warm sandbox before it "
+                                             "is leased (matplotlib with the Agg backend).")
     memory_limit_mib: int = Field(1024, ge=16, description="Memory limit per sandbox.")
     max_memory_limit_mib: int = Field(4096, ge=16, description="The largest memory_limit tier "
                                       "(1g, 4g, 16g, 64g) a container may ask for; larger ones "

@@ -39,12 +39,15 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP = 0x20000000, 0x40000000, 0x02000000
+CLONE_NEWUSER = 0x10000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
 PR_SET_CHILD_SUBREAPER, SECCOMP_MODE_FILTER, PR_CAPBSET_DROP, PR_SET_DUMPABLE = 36, 2, 24, 4
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}[platform.machine()]
+SYS_CAPSET = {"x86_64": 126, "aarch64": 91}[platform.machine()]
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 SYS_MOVE_MOUNT = 429  # the same number on x86_64 and aarch64
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
 AT_FDCWD = -100
@@ -142,19 +145,43 @@ def _build_root(spec: dict, home_tree_fd: int) -> None:
     _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def _drop_privileges(spec: dict) -> None:
+def _clear_capabilities() -> None:
+    """Permitted, effective and inheritable sets emptied (capset(2))."""
+    header = struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0)
+    data = bytes(24)  # two __user_cap_data_struct {effective, permitted, inheritable}
+    _check(_libc.syscall(SYS_CAPSET, header, data), "capset")
+
+
+def _drop_privileges(spec: dict, sync: socket.socket) -> None:
+    """Limits, then a user namespace of the sandbox's own, then its uid and nothing more.
+
+    The user namespace is made last, after every mount: it owns no other
+    namespace (the mounts, pids and network were made by root outside it), so
+    nothing inside can ever change them, and only the sandbox's uid exists in
+    it. Host root is not mapped: a file of root's is nobody's in here.
+    """
     import resource
 
     uid = spec["uid"]
     resource.setrlimit(resource.RLIMIT_NOFILE, (spec["nofile"], spec["nofile"]))
     resource.setrlimit(resource.RLIMIT_NPROC, (spec["nproc"], spec["nproc"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    for capability in range(64):  # empty the bounding set, as bubblewrap does
+    os.setgroups([])
+    _check(_libc.unshare(CLONE_NEWUSER), "unshare user namespace")
+    sync.send(b"u")  # the outer process (root, outside) writes our uid and gid maps
+    if sync.recv(1) != b"m":
+        raise OSError("the outer process did not map the user namespace")
+    sync.close()
+    # A new user namespace starts with a full bounding set: empty it here, as
+    # bubblewrap does (we still hold CAP_SETPCAP in the namespace).
+    for capability in range(64):
         if _libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0 and ctypes.get_errno() == 22:
             break  # EINVAL: past the last capability this kernel knows
-    os.setgroups([])
     os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)  # from root to non-root: every capability is dropped
+    os.setresuid(uid, uid, uid)
+    # Root outside is not root in here, so setresuid kept the new namespace's
+    # capabilities: drop them all explicitly.
+    _clear_capabilities()
     # Changing credentials made us non-dumpable, which hides /proc/self from the
     # code we run; inside one sandbox there is nothing to hide from itself.
     _prctl(PR_SET_DUMPABLE, 1)
@@ -166,10 +193,10 @@ def _drop_privileges(spec: dict) -> None:
     _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog_buffer, 0, 0), "seccomp")
 
 
-def _close_fds_except(keep: int) -> None:
+def _close_fds_except(*keep: int) -> None:
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
-        if fd > 2 and fd != keep:
+        if fd > 2 and fd not in keep:
             try:
                 os.close(fd)
             except OSError:
@@ -183,16 +210,29 @@ def _outer(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
     for procs in spec["cgroup_procs"]:
         with open(procs, "w") as handle:
             handle.write(str(os.getpid()))
-    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID
+    # The mount namespace is the init's own (it unshares it first thing): the
+    # outer process keeps the zygote's view of /proc, to map the init's user
+    # namespace once the init's pivot_root has hidden everything else from it.
+    _check(_libc.unshare(CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID
                          | CLONE_NEWCGROUP), "unshare")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     child = os.fork()
     if child == 0:
-        _init(spec, channel_fd, home_tree_fd)
+        ours.close()
+        _init(spec, channel_fd, home_tree_fd, theirs)
         os._exit(0)
+    theirs.close()
     os.close(channel_fd)
     os.close(home_tree_fd)
-    # The outer process only waits: it does so as the sandbox's uid, like bwrap's.
     uid = spec["uid"]
+    # The init's user namespace maps the sandbox's uid (and gid) to itself, only.
+    if ours.recv(1) == b"u":
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{child}/{name}", "w") as handle:
+                handle.write(f"{uid} {uid} 1\n")
+        ours.send(b"m")
+    ours.close()
+    # The outer process only waits: it does so as the sandbox's uid, like bwrap's.
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
@@ -201,7 +241,7 @@ def _outer(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
-def _init(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
+def _init(spec: dict, channel_fd: int, home_tree_fd: int, sync: socket.socket) -> None:
     # pid 1 of a namespace ignores signals from inside it only where it has no
     # handler: drop the ones Python installed (SIGINT), so code cannot kill it.
     for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
@@ -209,10 +249,11 @@ def _init(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
         signal.signal(number, signal.SIG_DFL)
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        _check(_libc.unshare(CLONE_NEWNS), "unshare mount namespace")
         _build_root(spec, home_tree_fd)
         _check(_libc.sethostname(b"sandbox", 7), "sethostname")
-        _close_fds_except(channel_fd)
-        _drop_privileges(spec)
+        _close_fds_except(channel_fd, sync.fileno())
+        _drop_privileges(spec, sync)
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the credential change cleared it
         # fd 2 was the zygote's diagnostics file on the host: nothing of the
         # host stays open in a sandbox.
@@ -282,6 +323,7 @@ def serve(control_fd: int, preload: list[str]) -> None:
             __import__(name)
         except Exception:
             failed.append(name)
+    import resource  # noqa: F401  (what a fork imports after fork is its own copy)
     import shoal_agent.main  # noqa: F401  (so every sandbox shares its pages too)
 
     gc.collect()
@@ -306,6 +348,8 @@ def serve(control_fd: int, preload: list[str]) -> None:
             control.close()
             try:
                 _outer(spec, fds[0], fds[1])
+            except BaseException as exc:  # the host reads this in its launch error
+                os.write(2, f"zygote: starting a sandbox failed: {exc!r}\n".encode())
             finally:
                 os._exit(71)
         for fd in fds:

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
 from shoal.gateway.service import UnknownResponse
 from shoal.runs import CallbackNotAllowed, InvalidTools, RunConflict, UnknownRun, UnknownToolCall
-from shoal.sandbox import DiskFull
+from shoal.sandbox import DiskFull, PoolBusy
 from shoal.sandbox.launcher import LaunchFailed
 from shoal.sessions import (AtCapacity, CallTooLarge, FileAccessError, InvalidContainer,
                             SandboxClosed, TenantQuotaExceeded, UnknownContainer, UnknownSession)
@@ -206,6 +206,7 @@ def install(app: FastAPI) -> None:
     handler(SandboxClosed, 404, "the session was released while the call ran")()
     handler(CallTooLarge, 413, "the call's input is too large to run")()
     handler(AtCapacity, 503)()
+    handler(PoolBusy, 503)()
     handler(TenantQuotaExceeded, 429)()
 
     @handler(DiskFull)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from shoal.config import Settings
-from shoal.sandbox import (CallTooLarge, ExecResult, FileAccessError, Limit, Sandbox, SandboxPath,
-                           StubSpec, parse_path)
+from shoal.sandbox import (CallTooLarge, ExecResult, FileAccessError, Limit, PoolBusy, Sandbox,
+                           SandboxPath, StubSpec, parse_path)
 from shoal.sandbox.launcher import LaunchFailed
 from shoal.sandbox.mounts import OUTPUTS, WORKSPACE
 from shoal.sessions import AtCapacity, ContainerFile, SandboxClosed, SessionManager
@@ -418,7 +418,7 @@ class RunManager:
 
 def _client_error(exc: Exception) -> str | None:
     """A failure the client can act on, in words; None for a server bug."""
-    if isinstance(exc, AtCapacity):
+    if isinstance(exc, (AtCapacity, PoolBusy)):
         return str(exc)
     if isinstance(exc, LaunchFailed):
         return "no sandbox could be started; retry later"

@@ -7,7 +7,7 @@ an :class:`ExecResult` back from every call; nothing else here is public.
 from .channel import CallTooLarge
 from .files import (FileAccessError, FileEntry, FileMissing, FileTooLarge, IsDirectory,
                     PathOutside, SandboxFiles, SandboxPath, guess_mime_type, parse_path)
-from .pool import SandboxPool
+from .pool import PoolBusy, SandboxPool
 from .preflight import IsolationUnavailable
 from .result import ExecResult, Limit, ProducedFile, decode_file_id, encode_file_id
 from .runtime import RuntimeMissing
@@ -20,6 +20,6 @@ __all__ = [
     "FileAccessError", "FileEntry", "FileMissing", "FileTooLarge", "IsDirectory",
     "PathOutside", "SandboxFiles", "SandboxPath", "guess_mime_type", "parse_path",
     "ExecResult", "IsolationUnavailable", "Limit", "ProducedFile", "RuntimeMissing",
-    "OutputCallback", "Sandbox", "SandboxClosed", "SandboxPool", "StubSpec", "ToolCall",
+    "OutputCallback", "PoolBusy", "Sandbox", "SandboxClosed", "SandboxPool", "StubSpec", "ToolCall",
     "ToolHandler", "ToolOutcome", "decode_file_id", "encode_file_id",
 ]

@@ -55,6 +55,9 @@ SANDBOX_ENV = {
     "OPENBLAS_NUM_THREADS": "1",
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
+    # One malloc arena: the agent's threads would each get their own, and every
+    # arena's first pages are private memory in every sandbox.
+    "MALLOC_ARENA_MAX": "1",
 }
 
 

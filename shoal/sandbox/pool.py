@@ -19,23 +19,29 @@ import logging
 import os
 import shutil
 import secrets
+import time
 from pathlib import Path
 
 from shoal.config import MiB, Settings
 
 from . import preflight
 from .cgroups import CgroupManager, Limits
-from .launcher import LaunchConfig, SandboxProcess, launch, stop_process_tree
+from .launcher import LaunchConfig, LaunchFailed, SandboxProcess, launch, stop_process_tree
 from .mounts import SandboxHome
 from .volumes import Volume, mounts_under, unmount
-from .zygote import Zygote
+from .zygote import Zygote, ZygoteFailed
 from .runtime import find_runtime
 from .sandbox import Sandbox
 from .uids import UidAllocator
 
 log = logging.getLogger("shoal.pool")
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent"
-_CONCURRENT_LAUNCHES = 2
+# A pool grown by a burst gives back one extra sandbox per this many idle seconds.
+_SHRINK_SECONDS = 30.0
+
+
+class PoolBusy(RuntimeError):
+    """No warm sandbox, and as many leases already wait for one as may: come back later."""
 
 
 class SandboxPool:
@@ -43,7 +49,14 @@ class SandboxPool:
         self.settings = settings
         self._ready: list[Sandbox] = []
         self._live: set[Sandbox] = set()
-        self._launch_slots = asyncio.Semaphore(_CONCURRENT_LAUNCHES)
+        self._launch_slots = asyncio.Semaphore(settings.launch_concurrency)
+        # Leases waiting for a sandbox to start, and how far demand grew the pool.
+        self._waiting = 0
+        self._extra = 0
+        self._missed_at = 0.0
+        # Warm launches that failed in a row: the refill backs off instead of
+        # spinning on a full disk or an exhausted uid range.
+        self.warm_failures = 0
         self._refill_task: asyncio.Task | None = None
         self._warming: set[asyncio.Task] = set()
         self._wakeup = asyncio.Event()
@@ -75,18 +88,47 @@ class SandboxPool:
         await asyncio.to_thread(self._sweep_stale)
         runtime = find_runtime(self.settings.runtime_dir)
         agent_root = self._install_agent()
-        if self.settings.launcher == "zygote":
-            self._zygote = Zygote(runtime, agent_root, self.settings.preload)
-            await self._zygote.start()
         self._config = LaunchConfig(runtime=runtime, agent_root=agent_root,
                                     tmp_size_bytes=self.settings.tmp_size_mib * MiB,
-                                    pids_limit=self.settings.pids_limit, zygote=self._zygote)
+                                    pids_limit=self.settings.pids_limit)
         self._sandboxes_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
-        # One sandbox up front proves that isolation works here before we serve.
-        first = await self._launch_new()
+        first = None
+        if self.settings.launcher == "zygote":
+            first = await self._start_zygote(runtime, agent_root)
+        if first is None:
+            # bubblewrap: the fallback, and the launcher of last resort. If it
+            # cannot start a sandbox either, nothing runs (fail closed).
+            self._config = dataclasses.replace(self._config, zygote=None)
+            first = await self._launch_new()
         self._ready.append(first)
         self._refill_task = asyncio.create_task(self._refill_forever())
         self._wakeup.set()
+
+    @property
+    def launcher(self) -> str:
+        """The launcher in use: the zygote, or bubblewrap where the zygote cannot run."""
+        return "zygote" if self._config is not None and self._config.zygote is not None else "bwrap"
+
+    async def _start_zygote(self, runtime: Path, agent_root: Path) -> Sandbox | None:
+        """Start the zygote and, to prove it isolates here, its first sandbox; None
+        (after a warning naming why) where the fast path cannot run."""
+        found = preflight.zygote_problems()
+        if found:
+            log.warning("the zygote launcher cannot run on this host (%s): sandboxes start with "
+                        "bubblewrap", "; ".join(found))
+            return None
+        zygote = Zygote(runtime, agent_root, self.settings.preload)
+        try:
+            await zygote.start()
+            self._zygote = zygote
+            self._config = dataclasses.replace(self._config, zygote=zygote)
+            return await self._launch_new()
+        except (ZygoteFailed, LaunchFailed) as exc:
+            log.warning("the zygote launcher failed here (%s): sandboxes start with bubblewrap",
+                        exc)
+            zygote.close()
+            self._zygote = None
+            return None
 
     async def wait_warm(self, timeout: float = 120.0) -> None:
         """Wait until the pool holds its full size (benchmarks, tests)."""
@@ -126,10 +168,20 @@ class SandboxPool:
             raise RuntimeError("the pool is closing")
         if self._ready:
             sandbox = self._ready.pop()
-        else:
-            sandbox = await self._launch_new()
+            self._wakeup.set()
+            return sandbox
+        # A miss: demand outran the pool, which grows for the next burst.
+        self._missed_at = time.monotonic()
+        self._extra = min(self._extra + 1, max(0, self.settings.pool_max - self.settings.pool_size))
+        if self._waiting >= self.settings.launch_queue:
+            raise PoolBusy(f"{self._waiting} requests already wait for a sandbox to start; "
+                           "retry in a moment")
+        self._waiting += 1
         self._wakeup.set()
-        return sandbox
+        try:
+            return await self._launch_new()
+        finally:
+            self._waiting -= 1
 
     async def launch_for(self, home: SandboxHome, name: str,
                          memory_bytes: int | None = None) -> Sandbox:
@@ -224,19 +276,42 @@ class SandboxPool:
             os.chmod(target, 0o644)
         return self._agent_dir
 
+    @property
+    def target(self) -> int:
+        """How many warm sandboxes the pool keeps: its size, plus what a burst added."""
+        return self.settings.pool_size + self._extra
+
     async def _refill_forever(self) -> None:
-        while True:
-            await self._wakeup.wait()
+        while not self._closing:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancellation that
+            # arrives as the event is set, and close() would wait on this loop forever.
+            try:
+                async with asyncio.timeout(_SHRINK_SECONDS):
+                    await self._wakeup.wait()
+            except TimeoutError:
+                pass
             self._wakeup.clear()
-            while (len(self._ready) + len(self._warming) < self.settings.pool_size
-                   and len(self._live) < self.settings.pool_size + self.settings.max_sessions):
+            if self.warm_failures:
+                await asyncio.sleep(min(0.25 * 2 ** self.warm_failures, _SHRINK_SECONDS))
+            if self._extra and time.monotonic() - self._missed_at > _SHRINK_SECONDS:
+                self._extra -= 1
+                if len(self._ready) > self.target:
+                    await self._ready.pop(0).close()
+            while (len(self._ready) + len(self._warming) < self.target
+                   and len(self._live) < self.target + self.settings.max_sessions):
                 task = asyncio.create_task(self._launch_into_pool())
                 self._warming.add(task)
                 task.add_done_callback(self._warming.discard)
                 task.add_done_callback(_log_failure)
 
     async def _launch_into_pool(self) -> None:
-        sandbox = await self._launch_new()
+        try:
+            sandbox = await self._launch_new()
+        except Exception:
+            self.warm_failures = min(self.warm_failures + 1, 16)
+            self._wakeup.set()  # try again, after the back-off
+            raise
+        self.warm_failures = 0
         if self._closing:
             await sandbox.close()
         else:

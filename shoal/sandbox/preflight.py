@@ -37,6 +37,29 @@ def problems() -> list[str]:
     return found
 
 
+_UNSHARE, _PIVOT_ROOT = Path("/usr/bin/unshare"), Path("/usr/sbin/pivot_root")
+
+
+def zygote_problems() -> list[str]:
+    """Why the zygote (the fast launcher) cannot run here; empty if it can.
+
+    It needs what bubblewrap needs, plus the new mount API (open_tree and
+    move_mount, Linux 5.2) to hand each fork its files, and util-linux's unshare
+    and pivot_root to build its own empty mount namespace.
+    """
+    from .zygote import open_tree
+
+    found = []
+    for tool in (_UNSHARE, _PIVOT_ROOT):
+        if not os.access(tool, os.X_OK):
+            found.append(f"{tool} is missing: apt-get install util-linux")
+    try:
+        os.close(open_tree(Path("/")))
+    except OSError as exc:
+        found.append(f"open_tree(2) is not available ({exc.strerror}): Linux 5.2 or newer is needed")
+    return found
+
+
 def require_isolation() -> None:
     found = problems()
     if found:

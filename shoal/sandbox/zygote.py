@@ -24,17 +24,52 @@ from .mounts import (AGENT_ROOT, EXTERNAL, OPENAI_DATA, OUTPUTS, RUNTIME, SANDBO
 from .mounts import MASKED_PROC, etc_entries
 
 READY_TIMEOUT_SECONDS = 120.0
-_SCRIPT = (
-    'mount -t tmpfs -o mode=0755,size=1m tmpfs /opt'
-    ' && mkdir -p /opt/shoal/runtime /opt/shoal/agent'
-    ' && mount --bind "$1" /opt/shoal/runtime && mount -o remount,bind,ro /opt/shoal/runtime'
-    ' && mount --bind "$2" /opt/shoal/agent && mount -o remount,bind,ro /opt/shoal/agent'
-    # The sandbox environment from the start: it is what /proc/1/environ shows.
-    ' && fd="$3" && preload="$4" && shift 4 && exec env -i "$@"'
-    ' /opt/shoal/runtime/bin/python3 -I -c "import sys; sys.path.insert(0, \'/opt/shoal/agent\');'
-    ' from shoal_agent.zygote import serve; serve(int(sys.argv[1]), sys.argv[2].split(\',\'))"'
-    ' "$fd" "$preload"'
-)
+# The zygote's own root, built from nothing in its private mount namespace: only
+# what it and its forks read (/usr, the curated /etc, the runtime, the agent, a
+# few devices) and the cgroup hierarchies its forks join. Then pivot_root and detach the host's tree, so the zygote holds
+# no copy of any host mount: no other server's volume stays pinned by it.
+_SCRIPT = r"""
+set -eu
+runtime=$1 agent=$2 fd=$3 preload=$4 etc=$5 devices=$6
+shift 6
+root=/tmp
+mount -t tmpfs -o mode=0755,size=16m shoal-zygote "$root"
+cd "$root"
+mkdir -p usr etc dev proc tmp sys/fs/cgroup opt/shoal/runtime opt/shoal/agent
+ro_bind() {
+    mount --bind "$1" "$2"
+    mount -o remount,bind,ro,nosuid,nodev "$2"
+}
+ro_bind /usr usr
+ro_bind "$runtime" opt/shoal/runtime
+ro_bind "$agent" opt/shoal/agent
+for entry in $etc; do
+    if [ -d "$entry" ]; then mkdir -p ".$entry"; else : > ".$entry"; fi
+    ro_bind "$entry" ".$entry"
+done
+for name in $devices; do
+    : > "dev/$name"
+    mount --bind "/dev/$name" "dev/$name"
+done
+ln -s usr/lib lib
+ln -s usr/lib64 lib64
+ln -s usr/bin bin
+ln -s usr/sbin sbin
+mount -t proc -o nosuid,nodev,noexec proc proc
+# The cgroup hierarchies: each fork joins its sandbox's groups before it unshares.
+mount --rbind /sys/fs/cgroup sys/fs/cgroup
+mount -t tmpfs -o mode=1777,size=16m,nosuid,nodev tmpfs tmp
+mkdir .old-root
+pivot_root . .old-root
+cd /
+umount -l /.old-root
+rmdir /.old-root
+# The sandbox environment from the start: it is what /proc/1/environ shows.
+exec /usr/bin/env -i "$@" /opt/shoal/runtime/bin/python3 -I -c "import sys; \
+sys.path.insert(0, '/opt/shoal/agent'); from shoal_agent.zygote import serve; \
+serve(int(sys.argv[1]), sys.argv[2].split(','))" "$fd" "$preload"
+"""
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
 class ZygoteFailed(RuntimeError):
@@ -58,6 +93,7 @@ class Zygote:
         argv = ["/usr/bin/unshare", "--mount", "--propagation", "private", "--",
                 "/bin/sh", "-c", _SCRIPT, "sh", str(self._runtime), str(self._agent_root),
                 str(zygote_end.fileno()), ",".join(self._preload),
+                " ".join(str(path) for path in etc_entries()), " ".join(DEVICES),
                 *(f"{name}={value}" for name, value in SANDBOX_ENV.items())]
         self._popen = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,

@@ -88,13 +88,15 @@ class SessionManager:
 
     def _claim_slot(self, tenant: str) -> None:
         settings = self.settings
+        # A full house first: where the tenant's share is every slot, it is the
+        # server that is full, and waiting (503) is what helps.
+        if len(self._sessions) + self._reserved >= settings.max_sessions:
+            raise AtCapacity(f"all {settings.max_sessions} session slots are in use; "
+                             "retry after a session is released")
         held = self._held.get(tenant, 0)
         if held >= self.tenant_cap:
             raise TenantQuotaExceeded(f"this tenant holds {held} sessions and runs, its share of "
                                       "this server; release one and retry")
-        if len(self._sessions) + self._reserved >= settings.max_sessions:
-            raise AtCapacity(f"all {settings.max_sessions} session slots are in use; "
-                             "retry after a session is released")
         self._reserved += 1
         self._held[tenant] = held + 1
 

@@ -1,0 +1,96 @@
+"""The zygote, the default launcher, is as safe as bubblewrap (issue 13).
+
+Each fork runs in a user namespace of its own that maps only its uid, with an
+empty bounding set and no capabilities; the zygote's own mount namespace is
+built from nothing, so it pins no other server's volume; and the forks of one
+zygote do not share their random state.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shoal.config import Settings
+from shoal.sandbox import SandboxPool
+from shoal.sandbox.volumes import Volume
+
+
+async def test_the_default_launcher_is_the_zygote(pool):
+    if os.environ.get("SHOAL_LAUNCHER", "zygote") != "zygote":
+        pytest.skip("this run chose another launcher")
+    assert pool.launcher == "zygote"
+
+
+@pytest.fixture
+def zygote_only(pool):
+    if pool.launcher != "zygote":
+        pytest.skip("about the zygote; this run's sandboxes start with bubblewrap")
+
+
+async def test_a_sandbox_runs_in_a_user_namespace_that_maps_only_its_uid(zygote_only, sandbox):
+    result = await sandbox.run_bash("cat /proc/self/uid_map /proc/self/gid_map; "
+                                    "grep -E '^Cap(Inh|Prm|Eff|Bnd|Amb)' /proc/self/status; "
+                                    "stat -c %u /usr/bin/python3")
+    lines = result.stdout.splitlines()
+    uid = str(sandbox.uid)
+    # Not the identity map of the host's namespace ("0 0 4294967295"): one uid, its own.
+    assert lines[0].split() == [uid, uid, "1"], lines
+    assert lines[1].split() == [uid, uid, "1"], lines
+    capabilities = dict(line.split(":\t") for line in lines[2:7])
+    assert set(capabilities.values()) == {"0000000000000000"}, capabilities
+    assert lines[7] == "65534", "host root must not be mapped inside (it shows as nobody)"
+
+
+async def test_root_of_the_host_cannot_be_reached_inside(sandbox):
+    result = await sandbox.run_python(
+        "import errno, os\nfor call in (lambda: os.setuid(0), lambda: os.setgid(0),"
+        " lambda: os.chown('/home/agent/workspace', 0, 0)):\n"
+        "    try:\n        call(); print('allowed')\n    except OSError as exc:\n"
+        "        print(errno.errorcode[exc.errno])")
+    # EPERM: no capability; EINVAL: uid 0 does not exist in the namespace at all.
+    assert all(answer in ("EPERM", "EINVAL") for answer in result.stdout.split()), result
+    assert len(result.stdout.split()) == 3, result
+
+
+def _zygote_pids() -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                command = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"shoal_agent.zygote" in command and b"serve(" in command:
+                found.append(int(name))
+    return found
+
+
+async def test_a_volume_unmounted_elsewhere_is_not_held_by_a_zygote(tmp_path):
+    """Another server's volume, mounted when our zygote starts, is released when
+    that server unmounts it: the zygote's namespace copied none of the host's mounts."""
+    run_dir = Path("/run/shoal-test") / f"zygote-{uuid.uuid4().hex[:8]}"
+    image, mount_point = tmp_path / "other.img", run_dir / "other-volume"
+    other = Volume(image, mount_point)
+    other.create(64 * 1024 * 1024)
+    before = set(_zygote_pids())
+    settings = Settings(pool_size=0, data_dir=tmp_path / "data", run_dir=run_dir,
+                        uid_base=280_000, uid_count=16, launcher="zygote")
+    pool = SandboxPool(settings)
+    await pool.start()
+    try:
+        ours = [pid for pid in _zygote_pids() if pid not in before]
+        assert ours, "no zygote started"
+        mountinfo = Path(f"/proc/{ours[0]}/mountinfo").read_text()
+        assert str(mount_point) not in mountinfo
+        assert "/dev/loop" not in mountinfo, "the zygote holds a copy of a loop mount"
+        other.destroy()
+        attached = subprocess.run(["losetup", "-j", str(image)], capture_output=True, text=True)
+        assert attached.stdout.strip() == "", f"still attached: {attached.stdout}"
+    finally:
+        await pool.close()
+        subprocess.run(["rm", "-rf", str(run_dir)], check=False)
