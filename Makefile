@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.shoal-installed
 SYSTEM  := $(VENV)/.shoal-system
 TEST_SYSTEM := $(VENV)/.shoal-test-system
 
-.PHONY: serve test test-slow bench bench-http system runtime check clean
+.PHONY: serve test test-slow bench bench-http system runtime check clean lock
 
 serve: runtime
 	$(BIN)/shoal serve
@@ -45,11 +45,19 @@ $(TEST_SYSTEM): runtime/test-packages.txt scripts/ensure-system.sh $(SYSTEM)
 	bash scripts/ensure-system.sh runtime/test-packages.txt
 	@mkdir -p $(VENV) && touch $@
 
-$(STAMP): pyproject.toml $(SYSTEM)
+$(STAMP): pyproject.toml constraints.txt $(SYSTEM)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $@
+
+# Re-resolve every dependency to its newest allowed version, in a scratch venv,
+# and write the result to constraints.txt (then run make test and commit it).
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	{ sed -n '1,3p' constraints.txt; .venv-lock/bin/python -m pip freeze --exclude-editable; } > constraints.new
+	mv constraints.new constraints.txt && rm -rf .venv-lock
 
 runtime: $(STAMP)
 	$(BIN)/shoal runtime build

@@ -44,12 +44,15 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
 
     app = FastAPI(title="Shoal", version=__version__, lifespan=lifespan,
                   summary="Isolated, stateful code execution for LLM gateways",
-                  docs_url=None, redoc_url=None)
+                  docs_url="/docs", redoc_url=None)
     app.state.settings = settings
     app.state.manager = manager
     app.state.runs = run_manager
     app.state.tokens = tokens
-    app.state.metrics = observability.Metrics(manager)
+    app.state.draining = False
+    app.state.cutting = False
+    app.state.metrics = observability.Metrics(manager, tokens.tenant_names,
+                                              lambda: app.state.draining)
     errors.install(app)
     app.include_router(observability.router)
     app.include_router(protocol_v1.router)
@@ -58,8 +61,5 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     app.include_router(runs.router)
     app.include_router(messages.router)
     app.include_router(responses.router)
-    app.add_middleware(errors.ShutdownGuard)
-    app.add_middleware(observability.AccessLog)
-    app.add_middleware(observability.RequestIds)
-    app.add_middleware(observability.PathAliases)
+    app.add_middleware(observability.Edge)
     return app

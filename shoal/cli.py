@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-import typing
+
+import pydantic
 
 from .config import Settings
 
@@ -24,16 +25,37 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                 default=None, help=help_text)
             continue
-        kind = annotation if annotation in (int, float) else str
-        if typing.get_origin(annotation) is not None:
-            kind = str
-        parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+        # Every value is read as text and checked by Settings, so a bad number is the
+        # same one-line error as any other bad setting (not argparse's usage dump).
+        parser.add_argument(flag, dest=name, default=None, help=help_text)
+
+
+class BadSetting(ValueError):
+    """A setting (flag or variable) that cannot be used; one line names it."""
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
     given = {name: value for name, value in vars(args).items()
              if name in Settings.model_fields and value is not None}
-    return Settings(**given)
+    try:
+        return Settings(**given)
+    except pydantic.ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error.get("loc") else "?"
+            source = (f"--{name.replace('_', '-')}" if name in given
+                      else f"SHOAL_{name.upper()}")
+            problems.append(f"{source}={error.get('input')!s}: {_plain(error)}")
+        raise BadSetting("; ".join(problems)) from None
+
+
+def _plain(error: dict) -> str:
+    """pydantic's message, with the allowed values spelt out where it has them."""
+    if error.get("type") == "string_pattern_mismatch":
+        pattern = str(error.get("ctx", {}).get("pattern", ""))
+        choices = pattern.strip("^$()").split("|")
+        return "must be one of " + ", ".join(choices)
+    return str(error.get("msg", "invalid")).lower()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -97,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
+    except BadSetting as exc:
+        print(f"shoal: invalid setting: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -32,9 +32,15 @@ class Settings(BaseSettings):
     operator_tokens: str = Field("", description="Tokens of the operator (not of a tenant): "
                                  "'tok1,tok2' or '@/path/file', one per line. They read /metrics "
                                  "and the details of /health; tenants' tokens do not.")
-    log_level: str = Field("warning", description="Log level: debug, info, warning, error.")
-    shutdown_grace_seconds: float = Field(10.0, ge=0, description="How long SIGTERM waits "
-                                                                  "for running calls.")
+    log_level: str = Field("warning", pattern="^(debug|info|warning|error|critical)$",
+                           description="Log level: debug, info, warning, error, critical.")
+    shutdown_grace_seconds: float = Field(10.0, ge=0, description="After SIGTERM, how long "
+                                          "running calls may take before they are cut (each "
+                                          "then answers with what it produced).")
+    drain_seconds: float = Field(5.0, ge=0, description="After SIGTERM, how long the server "
+                                 "keeps serving while /readyz fails, so load balancers stop "
+                                 "sending before the listener closes (at most "
+                                 "shutdown_grace_seconds).")
 
     # -- sessions --------------------------------------------------------------
     max_sessions: int = Field(64, ge=1, description="Live sessions at most; more answer 503.")
@@ -134,6 +140,11 @@ class Settings(BaseSettings):
     runtime_dir: Path = Field(Path("/var/cache/shoal/runtime"),
                               description="Cache of built runtime environments.")
     run_dir: Path = Field(Path("/run/shoal"), description="Per-sandbox scratch directories.")
+
+    @field_validator("log_level", "launcher", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.strip().lower() if isinstance(value, str) else value
 
     @field_validator("preload_modules")
     @classmethod

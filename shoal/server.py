@@ -7,33 +7,21 @@ never with a server that runs code unsandboxed.
 
 from __future__ import annotations
 
-import json
-import logging
+import errno
 import os
 import resource
+import socket
 import sys
 
 import uvicorn
 
+from . import logs
 from .api.auth import TokenConfigError, TokenTable
 from .config import Settings
 
 
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": round(record.created, 3), "level": record.levelname.lower(),
-                 "logger": record.name, "message": record.getMessage()}
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def configure_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+class StartupError(RuntimeError):
+    """Something outside the host's isolation stops the server: named in one line."""
 
 
 def startup_problems(settings: Settings) -> list[str]:
@@ -55,6 +43,11 @@ def startup_problems(settings: Settings) -> list[str]:
         TokenTable.parse(settings.tokens, settings.operator_tokens)
     except TokenConfigError as exc:
         found.append(str(exc))
+    from .storage import metadata_problem
+
+    problem = metadata_problem(settings.data_dir)
+    if problem:
+        found.append(problem)
     return found
 
 
@@ -67,26 +60,72 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _check_data_dir(settings: Settings) -> None:
+    """Say now, in one line, that another server holds the data directory (the
+    metadata store takes the lock for real when the app starts)."""
+    from .storage import data_dir_holder
+
+    try:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        holder = data_dir_holder(settings.data_dir)
+    except OSError as exc:
+        raise StartupError(f"cannot use the data directory {settings.data_dir}: "
+                           f"{exc.strerror}") from None
+    if holder is not None:
+        raise StartupError(f"another Shoal server (pid {holder}) is using the data directory "
+                           f"{settings.data_dir}; give each server its own --data-dir")
+
+
+def _listen(settings: Settings) -> socket.socket:
+    """Bind before anything starts, so a taken port is one clear line, not a
+    server that warmed its pool and then fails."""
+    try:
+        family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((settings.host, settings.port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        reason = ("it is in use" if exc.errno == errno.EADDRINUSE else
+                  exc.strerror or str(exc))
+        raise StartupError(f"cannot listen on {settings.host}:{settings.port}: {reason}") from None
+    except (socket.gaierror, UnicodeError) as exc:
+        raise StartupError(f"cannot listen on {settings.host!r}: {exc}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
 def serve(settings: Settings) -> int:
-    configure_logging(settings.log_level)
+    logs.configure(settings.log_level)
     _raise_fd_limit()
     found = startup_problems(settings)
+    if len(found) == 1:
+        print(f"shoal: refusing to start: {found[0]}", file=sys.stderr)
+        return 2
     if found:
-        print("shoal: refusing to start:\n  - "
-              + "\n  - ".join(found), file=sys.stderr)
+        print("shoal: refusing to start:\n  - " + "\n  - ".join(found), file=sys.stderr)
+        return 2
+    try:
+        _check_data_dir(settings)
+        listener = _listen(settings)
+    except StartupError as exc:
+        print(f"shoal: refusing to start: {exc}", file=sys.stderr)
         return 2
     from .app import create_app
+    from .draining import DrainingServer
 
+    host, port = listener.getsockname()[:2]
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings), host=settings.host, port=settings.port,
-        loop="uvloop", http="httptools", lifespan="on", access_log=False,
-        log_config=None, log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=settings.shutdown_grace_seconds,
+        app, loop="uvloop", http="httptools", lifespan="on", access_log=False,
+        log_config=None, log_level=settings.log_level,
+        timeout_graceful_shutdown=2,  # after the drain (shoal.draining)
         timeout_keep_alive=settings.keep_alive_seconds)
-    server = uvicorn.Server(config)
-    print(f"shoal: serving on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
+    server = DrainingServer(config, app, on_started=lambda: print(
+        f"shoal: serving on http://{host}:{port}", file=sys.stderr, flush=True))
     try:
-        server.run()
+        server.run(sockets=[listener])
     except SystemExit:
         if server.started:
             raise

@@ -18,6 +18,11 @@ def settings(tmp_path_factory) -> Settings:
         run_dir=Path("/run/shoal-test"),
         memory_limit_mib=256,
         pids_limit=128,
+        # Small sandboxes, so limits fire fast. What a fork bomb's children cost in
+        # page tables grows with what the interpreter has imported: with matplotlib
+        # too (the server's default), 128 forks outgrow 256 MiB before the pids
+        # limit stops them, and these suites test that the pids limit does.
+        preload_modules="numpy,pandas",
         max_timeout_seconds=30,
         output_cap_bytes=1024 * 1024,
     )

@@ -48,7 +48,9 @@ class Server:
 
 
 DEFAULT_RUN_DIR = Path("/run/shoal-test")
-DEFAULTS = {"pool_size": 2, "memory_limit_mib": 512}
+# drain_seconds 0: a test server stops as soon as it is idle (the drain is for load
+# balancers; tests/api/test_operability.py tests it with its own setting).
+DEFAULTS = {"pool_size": 2, "memory_limit_mib": 512, "drain_seconds": 0}
 
 
 def launcher() -> str | None:

@@ -326,13 +326,23 @@ def serve(control_fd: int, preload: list[str]) -> None:
     import resource  # noqa: F401  (what a fork imports after fork is its own copy)
     import shoal_agent.main  # noqa: F401  (so every sandbox shares its pages too)
 
+    # A fork is reaped the moment it exits: the host waits for that when it
+    # closes a sandbox, so nothing of a closed sandbox outlives the close.
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     gc.collect()
     gc.freeze()
     control.send(json.dumps({"ready": True, "failed": failed}).encode())
     while True:
-        readable, _, _ = select.select([control], [], [], 1.0)
+        readable, _, _ = select.select([control, wake_read], [], [], 1.0)
+        if wake_read in readable:
+            try:
+                os.read(wake_read, 4096)
+            except BlockingIOError:
+                pass
         _reap()
-        if not readable:
+        if control not in readable:
             continue
         message, fds, _, _ = socket.recv_fds(control, 1 << 20, 2)
         if not message:
@@ -346,6 +356,10 @@ def serve(control_fd: int, preload: list[str]) -> None:
         pid = os.fork()
         if pid == 0:
             control.close()
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.close(wake_read)
+            os.close(wake_write)
             try:
                 _outer(spec, fds[0], fds[1])
             except BaseException as exc:  # the host reads this in its launch error

@@ -9,12 +9,22 @@ silently opening it.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import logging
 from pathlib import Path
 
-from fastapi import HTTPException, Request
+from fastapi import HTTPException, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from shoal.logs import request_context
 
 OPEN_TENANT = "default"
+log = logging.getLogger("shoal.auth")
+# Declares the scheme in the served OpenAPI document; the token itself is read
+# by bearer_token below, which also takes Anthropic's x-api-key.
+_SCHEME = HTTPBearer(auto_error=False, description="A tenant's token (SHOAL_TOKENS); "
+                     "Anthropic's x-api-key header is accepted too")
 
 
 class TokenConfigError(ValueError):
@@ -80,6 +90,11 @@ class TokenTable:
         """How many tenants the tokens name (1 when the server is open)."""
         return len(set(self._tokens.values())) or 1
 
+    @property
+    def tenant_names(self) -> frozenset[str]:
+        """Every tenant a token can name (the open server's one, when there are none)."""
+        return frozenset(self._tokens.values()) or frozenset({OPEN_TENANT})
+
     def is_operator(self, token: str) -> bool:
         matched = False
         for known in self._operators:
@@ -115,15 +130,32 @@ def is_operator(request: Request) -> bool:
     return bool(token) and table.is_operator(token)
 
 
-def tenant_of(request: Request) -> str:
+async def tenant_of(request: Request,
+                    _: HTTPAuthorizationCredentials | None = Security(_SCHEME)) -> str:
     """FastAPI dependency: the caller's tenant, or 401."""
     table: TokenTable = request.app.state.tokens
     if not table.enabled:
-        return OPEN_TENANT
-    token = bearer_token(request)
-    tenant = table.tenant_for(token) if token else None
-    if tenant is None:
-        raise HTTPException(401, "missing or invalid bearer token",
-                            headers={"WWW-Authenticate": "Bearer"})
+        tenant = OPEN_TENANT
+    else:
+        token = bearer_token(request)
+        tenant = table.tenant_for(token) if token else None
+        if tenant is None:
+            _rejected(request, token)
+            raise HTTPException(401, "missing or invalid bearer token",
+                                headers={"WWW-Authenticate": "Bearer"})
     request.state.tenant = tenant
+    context = request_context.get()
+    if context is not None:
+        context["tenant"] = tenant
     return tenant
+
+
+def _rejected(request: Request, token: str) -> None:
+    """A wrong token is worth a WARNING (a misconfigured client, or someone
+    guessing); the log names a fingerprint of it, never the token."""
+    client = request.client.host if request.client else "?"
+    if not token:
+        log.info("request without a token refused", extra={"client": client})
+        return
+    log.warning("rejected a bearer token", extra={
+        "client": client, "token_sha256": hashlib.sha256(token.encode()).hexdigest()[:12]})

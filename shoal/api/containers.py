@@ -26,6 +26,9 @@ from ._responses import file_response, json_response
 from ._uploads import read_upload, upload_file_name
 from .auth import tenant_of
 from .errors import ERROR_RESPONSES, BadRequest
+from .schemas import (BINARY, CONTAINERS_ERRORS, AttachFile, Container, ContainerDeleted,
+                      ContainerFileDeleted, ContainerFileList, ContainerFileObject, ContainerList,
+                      ContainerUpload, CreateContainer, request_body)
 
 router = APIRouter(prefix="/v1/containers", tags=["containers"], responses=ERROR_RESPONSES)
 
@@ -44,7 +47,9 @@ def render_container(record: ContainerRecord) -> dict:
         "last_active_at": int(record.last_active_at),
         "expires_at": int(record.expires_at),
         "memory_limit": record.memory_limit,
-        "name": record.name,
+        # OpenAI's name is always a string; a container made implicitly (by a run,
+        # a gateway request, a v1 session) has none of its own and goes by its id.
+        "name": record.name if record.name is not None else record.id,
         "implicit": record.implicit,
         # Sandboxes have no network at all; there is no other policy to report.
         "network_policy": {"type": "disabled"},
@@ -88,13 +93,19 @@ def _ordered(items: list, order: str) -> list:
 
 
 # -- containers -------------------------------------------------------------------------------
-@router.post("", summary="Create a container")
+@router.post("", summary="Create a container",
+             responses={**CONTAINERS_ERRORS,
+                        200: {"model": Container, "description": "The container"}},
+             openapi_extra=request_body(json=CreateContainer, required=False))
 async def create_container(request: Request, tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
     body = await read_json_object(request, required=False)
     name = body.get("name")
-    if name is not None and not isinstance(name, str):
-        raise BadRequest(422, "name must be a string")
+    if name is None:
+        raise BadRequest(400, "Missing required parameter: 'name'.", param="name",
+                         code="missing_required_parameter")
+    if not isinstance(name, str):
+        raise BadRequest(422, "name must be a string", param="name")
     expires_after = body.get("expires_after") or {}
     if not isinstance(expires_after, dict):
         raise BadRequest(422, "expires_after must be an object")
@@ -118,7 +129,9 @@ async def create_container(request: Request, tenant: str = Depends(tenant_of)) -
     return json_response(render_container(record))
 
 
-@router.get("", summary="List containers")
+@router.get("", summary="List containers",
+            responses={**CONTAINERS_ERRORS,
+                       200: {"model": ContainerList, "description": "A page of containers"}})
 async def list_containers(request: Request, limit: int = Query(20), after: str | None = Query(None),
                           order: str = Query("desc"), name: str | None = Query(None),
                           tenant: str = Depends(tenant_of)) -> Response:
@@ -131,13 +144,17 @@ async def list_containers(request: Request, limit: int = Query(20), after: str |
     return json_response(_list_body([render_container(r) for r in page.items], page.has_more))
 
 
-@router.get("/{container_id}", summary="Retrieve a container")
+@router.get("/{container_id}", summary="Retrieve a container",
+            responses={**CONTAINERS_ERRORS,
+                       200: {"model": Container, "description": "The container"}})
 async def get_container(container_id: str, request: Request,
                         tenant: str = Depends(tenant_of)) -> Response:
     return json_response(render_container(await _manager(request).containers.get(tenant, container_id)))
 
 
-@router.delete("/{container_id}", summary="Delete a container and its files")
+@router.delete("/{container_id}", summary="Delete a container and its files",
+               responses={**CONTAINERS_ERRORS,
+                          200: {"model": ContainerDeleted, "description": "Deleted"}})
 async def delete_container(container_id: str, request: Request,
                            tenant: str = Depends(tenant_of)) -> Response:
     await _manager(request).containers.delete(tenant, container_id)
@@ -151,7 +168,10 @@ async def _attach_upload(manager: SessionManager, tenant: str, record: Container
     return await manager.container_files.attach_upload(record, upload, handle)
 
 
-@router.post("/{container_id}/files", summary="Upload or attach a file")
+@router.post("/{container_id}/files", summary="Upload or attach a file",
+             responses={**CONTAINERS_ERRORS,
+                        200: {"model": ContainerFileObject, "description": "The file"}},
+             openapi_extra=request_body(multipart=ContainerUpload, json=AttachFile))
 async def create_file(container_id: str, request: Request,
                       tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
@@ -173,7 +193,9 @@ async def create_file(container_id: str, request: Request,
     return json_response(render_file(item, container_id))
 
 
-@router.get("/{container_id}/files", summary="List a container's files")
+@router.get("/{container_id}/files", summary="List a container's files",
+            responses={**CONTAINERS_ERRORS,
+                       200: {"model": ContainerFileList, "description": "A page of files"}})
 async def list_files(container_id: str, request: Request, limit: int = Query(20),
                      after: str | None = Query(None), order: str = Query("desc"),
                      tenant: str = Depends(tenant_of)) -> Response:
@@ -186,7 +208,9 @@ async def list_files(container_id: str, request: Request, limit: int = Query(20)
                                     page.has_more))
 
 
-@router.get("/{container_id}/files/{file_id}", summary="Retrieve a container file")
+@router.get("/{container_id}/files/{file_id}", summary="Retrieve a container file",
+            responses={**CONTAINERS_ERRORS,
+                       200: {"model": ContainerFileObject, "description": "The file"}})
 async def get_file(container_id: str, file_id: str, request: Request,
                    tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
@@ -195,7 +219,10 @@ async def get_file(container_id: str, file_id: str, request: Request,
                                      container_id))
 
 
-@router.get("/{container_id}/files/{file_id}/content", summary="Download a container file")
+@router.get("/{container_id}/files/{file_id}/content", summary="Download a container file",
+            response_class=Response,
+            responses={**CONTAINERS_ERRORS, 200: {
+                "content": BINARY, "description": "The file's bytes, typed by its MIME type"}})
 async def get_file_content(container_id: str, file_id: str, request: Request,
                            tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
@@ -204,7 +231,9 @@ async def get_file_content(container_id: str, file_id: str, request: Request,
     return await file_response(handle, size, item.filename, item.mime_type)
 
 
-@router.delete("/{container_id}/files/{file_id}", summary="Delete a container file")
+@router.delete("/{container_id}/files/{file_id}", summary="Delete a container file",
+               responses={**CONTAINERS_ERRORS,
+                          200: {"model": ContainerFileDeleted, "description": "Deleted"}})
 async def delete_file(container_id: str, file_id: str, request: Request,
                       tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)

@@ -2,7 +2,8 @@
 
 Domain errors from the layers below are mapped here, once, so no router has to
 remember that an unknown session is a 404 or a full house a 503; anything not
-mapped is a bug, logged with its traceback and answered with a bare 500.
+mapped is a bug, logged once with its traceback and answered with a 500
+(:class:`shoal.api.observability.Edge`).
 
 Which shape an error takes is decided by the request, not by the error:
 
@@ -18,7 +19,6 @@ Every body also carries the request id, which the response echoes in
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from fastapi import FastAPI, Request
@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
 from shoal.gateway.service import UnknownResponse
 from shoal.runs import CallbackNotAllowed, InvalidTools, RunConflict, UnknownRun, UnknownToolCall
-from shoal.sandbox import DiskFull, PoolBusy
+from shoal.sandbox import DiskFull, PoolBusy, UidsExhausted
 from shoal.sandbox.launcher import LaunchFailed
 from shoal.sessions import (AtCapacity, CallTooLarge, FileAccessError, InvalidContainer,
                             SandboxClosed, TenantQuotaExceeded, UnknownContainer, UnknownSession)
@@ -139,35 +139,6 @@ def error_response(request: Request | None, status: int, detail: object,
                         status_code=status, headers=headers)
 
 
-class ShutdownGuard:
-    """ASGI middleware: a call still running when the shutdown grace period ends
-    is cancelled by the server; it gets a 503 in its dialect, not a bare 500."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except asyncio.CancelledError:
-            if started:
-                raise
-            response = error_response(Request(scope), 503,
-                                      "the server is shutting down; the call was stopped")
-            await response(scope, receive, send)
-
-
 def install(app: FastAPI) -> None:
     def handler(exception: type, status: int | None = None, message: str | None = None):
         def register(function=None):
@@ -205,15 +176,20 @@ def install(app: FastAPI) -> None:
     handler(CallbackNotAllowed, 403)()
     handler(SandboxClosed, 404, "the session was released while the call ran")()
     handler(CallTooLarge, 413, "the call's input is too large to run")()
-    handler(AtCapacity, 503)()
-    handler(PoolBusy, 503)()
-    handler(TenantQuotaExceeded, 429)()
+    def exhausted(exception: type, status: int, message: str | None = None):
+        """A resource ran out: the client is told to come back (Retry-After), and the
+        operator is told at WARNING, since it means the server is too small."""
+        def render(request: Request, exc: Exception):
+            log.warning("refused a request: %s", exc,
+                        extra={"resource": type(exc).__name__, "status": status})
+            return error_response(request, status, message or str(exc))
+        handler(exception)(render)
 
-    @handler(DiskFull)
-    def _disk(request: Request, exc: DiskFull):
-        log.warning("refused a volume: %s", exc)
-        return error_response(request, 503, "the server's disk cannot back another sandbox "
-                                            "now; retry later")
+    exhausted(AtCapacity, 503)
+    exhausted(PoolBusy, 503)
+    exhausted(UidsExhausted, 503)
+    exhausted(TenantQuotaExceeded, 429)
+    exhausted(DiskFull, 503, "the server's disk cannot back another sandbox now; retry later")
     handler(UpstreamNotConfigured, 501)()
 
     @handler(UpstreamError)
@@ -222,14 +198,9 @@ def install(app: FastAPI) -> None:
 
     @handler(LaunchFailed)
     def _launch(request: Request, exc: LaunchFailed):
-        log.error("sandbox launch failed: %s", exc)
         return error_response(request, 503, "no sandbox could be started; retry later")
 
     @handler(FileAccessError)
     def _files(request: Request, exc: FileAccessError):
         return error_response(request, exc.status, str(exc))
-
-    @handler(Exception)
-    def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(request, 500, "internal error")
+    # Anything else is a bug: observability.Edge logs it once and answers 500.

@@ -23,6 +23,12 @@ from ._responses import file_response, header_safe, json_response
 from ._uploads import read_upload, upload_file_name
 from .auth import tenant_of
 from .errors import ERROR_RESPONSES, BadRequest
+from .schemas import (BINARY, FILES_ERRORS, AnthropicFile, AnthropicFileList, FileDeleted,
+                      FilesUpload, OpenAIFile, OpenAIFileDeleted, OpenAIFileList, PrefixDeleted,
+                      ScopedFile, ScopedFileList, request_body)
+
+# The purposes OpenAI accepts for an upload (and its SDK can read back).
+PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data")
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=ERROR_RESPONSES)
 
@@ -93,15 +99,26 @@ def render_upload(record: UploadRecord, anthropic: bool) -> dict:
 
 
 # -- upload ---------------------------------------------------------------------------------
-@router.post("", status_code=201, summary="Upload a file (to a container with scope_id)")
+@router.post("", status_code=201, summary="Upload a file (to a container with scope_id)",
+             responses={**FILES_ERRORS,
+                        201: {"model": ScopedFile, "description": "With scope_id: the file, "
+                                                                  "in the container"},
+                        200: {"model": OpenAIFile | AnthropicFile,
+                              "description": "Without scope_id: the tenant's upload (Anthropic's "
+                                             "shape with anthropic-version)"}},
+             openapi_extra=request_body(multipart=FilesUpload))
 async def upload(request: Request, scope_id: str | None = Query(None),
                  path: str | None = Query(None), tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
     upload_file, fields = await read_upload(request, manager.settings.max_file_bytes)
     try:
         if scope_id is None:
+            purpose = fields.get("purpose")
+            if purpose is not None and not _anthropic(request) and purpose not in PURPOSES:
+                raise BadRequest(400, f"purpose must be one of {', '.join(PURPOSES)}",
+                                 param="purpose")
             record = await manager.uploads.create(tenant, upload_file_name(upload_file.filename),
-                                                  upload_file.file, fields.get("purpose"))
+                                                  upload_file.file, purpose)
             # OpenAI answers a created file with 200; so do we, for its SDK.
             return json_response(render_upload(record, _anthropic(request)), 200)
         key = path or fields.get("path") or upload_file_name(upload_file.filename)
@@ -113,7 +130,10 @@ async def upload(request: Request, scope_id: str | None = Query(None),
     return json_response(render_container_file(item, scope_id), 201)
 
 
-@router.put("/{key:path}", summary="Put raw bytes at a key in a container")
+@router.put("/{key:path}", status_code=201, summary="Put raw bytes at a key in a container",
+            responses={**FILES_ERRORS,
+                       201: {"model": ScopedFile, "description": "The file, in the container"}},
+            openapi_extra=request_body(binary=True, description="The file's bytes, of any type"))
 async def put_key(key: str, request: Request, scope_id: str = Query(...),
                   tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
@@ -136,7 +156,10 @@ async def put_key(key: str, request: Request, scope_id: str = Query(...),
 
 
 # -- list ------------------------------------------------------------------------------------
-@router.get("", summary="List files")
+@router.get("", summary="List files",
+            responses={**FILES_ERRORS, 200: {
+                "model": ScopedFileList | OpenAIFileList | AnthropicFileList,
+                "description": "A container's files (scope_id), or the tenant's uploads"}})
 async def list_files(request: Request, scope_id: str | None = Query(None),
                      limit: int = Query(20), after_id: str | None = Query(None),
                      before_id: str | None = Query(None), after: str | None = Query(None),
@@ -184,7 +207,10 @@ async def list_files(request: Request, scope_id: str | None = Query(None),
 
 
 # -- one file --------------------------------------------------------------------------------
-@router.get("/{file_id}", summary="File metadata")
+@router.get("/{file_id}", summary="File metadata",
+            responses={**FILES_ERRORS, 200: {
+                "model": ScopedFile | OpenAIFile | AnthropicFile,
+                "description": "A container's file (scope_id, or a scoped id), or an upload"}})
 async def get_file(file_id: str, request: Request, scope_id: str | None = Query(None),
                    tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
@@ -201,7 +227,12 @@ async def get_file(file_id: str, request: Request, scope_id: str | None = Query(
     return json_response(render_container_file(item, scope_id))
 
 
-@router.head("/{file_id}", summary="Whether a file exists, its metadata in X-File-* headers")
+@router.head("/{file_id}", summary="Whether a file exists, its metadata in X-File-* headers",
+             response_class=Response,
+             responses={**FILES_ERRORS, 200: {"description": "The file exists", "headers": {
+                 name: {"schema": {"type": "string"}} for name in (
+                     "X-File-Id", "X-File-Name", "X-File-Size", "X-File-Mime-Type",
+                     "X-File-Created-At", "X-File-Downloadable", "X-File-Etag")}}})
 async def head_file(file_id: str, request: Request, scope_id: str = Query(...),
                     tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
@@ -218,7 +249,9 @@ async def head_file(file_id: str, request: Request, scope_id: str = Query(...),
     })
 
 
-@router.get("/{file_id}/content", summary="Download a file")
+@router.get("/{file_id}/content", summary="Download a file", response_class=Response,
+            responses={**FILES_ERRORS, 200: {
+                "content": BINARY, "description": "The file's bytes, typed by its MIME type"}})
 async def download(file_id: str, request: Request, scope_id: str | None = Query(None),
                    disposition: str = Query("attachment", pattern="^(attachment|inline)$"),
                    tenant: str = Depends(tenant_of)) -> Response:
@@ -237,7 +270,10 @@ async def download(file_id: str, request: Request, scope_id: str | None = Query(
     return await file_response(handle, size, item.filename, item.mime_type, inline)
 
 
-@router.delete("/{file_id}", summary="Delete one file")
+@router.delete("/{file_id}", summary="Delete one file",
+               responses={**FILES_ERRORS, 200: {
+                   "model": FileDeleted | OpenAIFileDeleted,
+                   "description": "Deleted (OpenAI's shape for an OpenAI client's upload)"}})
 async def delete_file(file_id: str, request: Request, scope_id: str | None = Query(None),
                       tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
@@ -256,7 +292,9 @@ async def delete_file(file_id: str, request: Request, scope_id: str | None = Que
     return json_response({"id": item.id, "type": "file_deleted"})
 
 
-@router.delete("", summary="Delete every file under a key prefix")
+@router.delete("", summary="Delete every file under a key prefix",
+               responses={**FILES_ERRORS, 200: {"model": PrefixDeleted,
+                                                "description": "How many were deleted"}})
 async def delete_prefix(request: Request, scope_id: str = Query(...), prefix: str = Query(...),
                         tenant: str = Depends(tenant_of)) -> Response:
     if not prefix:

@@ -22,6 +22,8 @@ from ._bodies import read_json_object
 from ._responses import json_response
 from .auth import tenant_of
 from .errors import ANTHROPIC, BadRequest, error_body, request_id_of
+from .schemas import (MESSAGE_EVENTS, MESSAGES_ERRORS, Message, MessagesRequest,
+                      MessagesValidation, request_body)
 
 router = APIRouter(tags=["messages"])
 log = logging.getLogger("shoal.gateway")
@@ -55,7 +57,11 @@ def _not_configured(exc: UpstreamNotConfigured) -> BadRequest:
     return BadRequest(501, str(exc))
 
 
-@router.post("/v1/messages", summary="Messages, with Anthropic's code-execution tool served here")
+@router.post("/v1/messages", summary="Messages, with Anthropic's code-execution tool served here",
+             responses={**MESSAGES_ERRORS, 200: {
+                 "model": Message, "content": MESSAGE_EVENTS,
+                 "description": "The message; with \"stream\": true, its events"}},
+             openapi_extra=request_body(json=MessagesRequest))
 async def create_message(request: Request, tenant: str = Depends(tenant_of)) -> Response:
     gateway = request.app.state.gateway
     body = await _body(request)
@@ -122,7 +128,11 @@ def _event(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-@router.post("/v1/messages/validate", summary="Check a Messages request; run nothing, call no model")
+@router.post("/v1/messages/validate",
+             summary="Check a Messages request; run nothing, call no model",
+             responses={**MESSAGES_ERRORS, 200: {"model": MessagesValidation,
+                                                 "description": "The request is valid"}},
+             openapi_extra=request_body(json=MessagesRequest))
 async def validate_message(request: Request, tenant: str = Depends(tenant_of)) -> Response:
     gateway = request.app.state.gateway
     body = await _body(request)

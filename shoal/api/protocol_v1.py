@@ -33,6 +33,9 @@ from ._responses import file_response, json_response
 from ._uploads import read_upload, upload_file_name
 from .auth import tenant_of
 from .errors import ERROR_RESPONSES, BadRequest
+from .schemas import (BINARY, EXEC_EVENTS, PROTOCOL_ERRORS, CreateSessionRequest, ExecRequest,
+                      ExecResponse, FileList, FileUploadResult, ProgrammaticToolsRegistered,
+                      RegisterProgrammaticTools, SessionHandle, WorkspaceUpload, request_body)
 
 router = APIRouter(responses=ERROR_RESPONSES)
 
@@ -79,38 +82,11 @@ def handle(session: Session) -> dict:
     }
 
 
-# Request bodies are parsed by hand (the contract's statuses need it), so their
-# schemas are declared here for the served OpenAPI document.
-_CREATE_SESSION_BODY = {"requestBody": {"required": False, "content": {"application/json": {"schema": {
-    "type": "object",
-    "properties": {
-        "image": {"type": ["string", "null"]},
-        "idle_timeout_seconds": {"type": ["integer", "null"], "minimum": 1},
-        "max_lifetime_seconds": {"type": ["integer", "null"], "minimum": 1},
-        "container": {"type": ["string", "null"],
-                      "description": "Attach the session to this durable container."},
-    }}}}}}
-_EXEC_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
-    "type": "object",
-    "required": ["tool", "input"],
-    "properties": {
-        "tool": {"type": "string", "enum": list(TOOL_KINDS)},
-        "input": {"type": "object", "properties": {
-            "code": {"type": "string", "minLength": 1},
-            "command": {"type": "string", "minLength": 1},
-            "path": {"type": "string", "minLength": 1},
-            "file_text": {"type": "string"}, "old_str": {"type": "string"},
-            "new_str": {"type": "string"}, "insert_line": {"type": "integer"},
-            "view_range": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
-                           "maxItems": 2}}},
-        "timeout_seconds": {"type": "integer", "minimum": 1},
-        "tool_use_id": {"type": ["string", "null"]},
-    }}}}}}
-
-
 # -- sessions ------------------------------------------------------------------------
 @router.post("/sessions", status_code=201, summary="Lease a session",
-             openapi_extra=_CREATE_SESSION_BODY)
+             responses={**PROTOCOL_ERRORS,
+                        201: {"model": SessionHandle, "description": "Session leased"}},
+             openapi_extra=request_body(json=CreateSessionRequest, required=False))
 async def create_session(request: Request, tenant: str = Depends(tenant_of)) -> Response:
     body = await read_json_object(request, required=False)
     idle = _optional_positive_int(body, "idle_timeout_seconds")
@@ -123,7 +99,8 @@ async def create_session(request: Request, tenant: str = Depends(tenant_of)) -> 
     return _json(handle(session), 201)
 
 
-@router.get("/sessions/{session_id}", summary="The session's handle, refreshed")
+@router.get("/sessions/{session_id}", summary="The session's handle, refreshed",
+            responses={200: {"model": SessionHandle, "description": "The handle"}})
 async def get_session(session_id: str, request: Request,
                       tenant: str = Depends(tenant_of)) -> Response:
     return _json(handle(_manager(request).get(tenant, session_id)))
@@ -160,7 +137,7 @@ def parse_exec(body: dict) -> tuple[str, str, dict, int | None, str]:
     if tool == "python":
         _require_text(payload, "code", kind)
         language = payload.get("language", "python")
-        if language not in LANGUAGES:
+        if not isinstance(language, str) or language not in LANGUAGES:
             raise BadRequest(422, f"input.language must be one of {', '.join(LANGUAGES)}")
         tool = LANGUAGES[language]
     elif tool == "bash":
@@ -225,7 +202,10 @@ def render_exec(kind: str, tool_use_id: str, result: ExecResult) -> dict:
 
 
 @router.post("/sessions/{session_id}/exec", summary="Run one tool call in a session",
-             openapi_extra=_EXEC_BODY)
+             responses={200: {"model": ExecResponse, "content": EXEC_EVENTS, "description": (
+                 "The call ran (a program that failed too: see return_code and stderr); "
+                 "with Accept: text/event-stream, its events")}},
+             openapi_extra=request_body(json=ExecRequest))
 async def execute(session_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
     session = _manager(request).get(tenant, session_id)
     kind, tool, payload, timeout, tool_use_id = parse_exec(await read_json_object(request))
@@ -269,7 +249,10 @@ def _streamed_exec(request: Request, session: Session, kind: str, tool: str, pay
 
 # -- programmatic tools (the reference backend's) ---------------------------------------------
 @router.post("/sessions/{session_id}/programmatic-tools/register",
-             summary="Give the session's code stubs of tools the host calls back")
+             summary="Give the session's code stubs of tools the host calls back",
+             responses={200: {"model": ProgrammaticToolsRegistered,
+                              "description": "The stubs are importable"}},
+             openapi_extra=request_body(json=RegisterProgrammaticTools))
 async def register_programmatic_tools(session_id: str, request: Request,
                                       tenant: str = Depends(tenant_of)) -> Response:
     """``from _platform_tools import name``: each call is POSTed by the host to
@@ -308,7 +291,8 @@ async def register_programmatic_tools(session_id: str, request: Request,
 
 
 # -- files ---------------------------------------------------------------------------------
-@router.get("/sessions/{session_id}/files/list", summary="Enumerate a session's workspace")
+@router.get("/sessions/{session_id}/files/list", summary="Enumerate a session's workspace",
+            responses={200: {"model": FileList, "description": "The directory's entries"}})
 async def list_files(session_id: str, request: Request, path: str = Query("."),
                      tenant: str = Depends(tenant_of)) -> Response:
     session = _manager(request).get(tenant, session_id)
@@ -318,7 +302,10 @@ async def list_files(session_id: str, request: Request, path: str = Query("."),
                             for e in entries]})
 
 
-@router.get("/sessions/{session_id}/files", summary="Read one file from the workspace")
+@router.get("/sessions/{session_id}/files", summary="Read one file from the workspace",
+            response_class=Response,
+            responses={200: {"content": BINARY,
+                             "description": "The file's bytes, typed by its name"}})
 async def get_file(session_id: str, request: Request, path: str = Query(..., min_length=1),
                    tenant: str = Depends(tenant_of)) -> Response:
     session = _manager(request).get(tenant, session_id)
@@ -328,7 +315,9 @@ async def get_file(session_id: str, request: Request, path: str = Query(..., min
 
 
 @router.post("/sessions/{session_id}/files", status_code=201,
-             summary="Write one file into the workspace")
+             summary="Write one file into the workspace",
+             responses={201: {"model": FileUploadResult, "description": "File written"}},
+             openapi_extra=request_body(multipart=WorkspaceUpload))
 async def put_file(session_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
     session = manager.get(tenant, session_id)

@@ -21,6 +21,8 @@ from ._bodies import read_json_object
 from ._responses import json_response
 from .auth import tenant_of
 from .errors import OPENAI, BadRequest, error_body, request_id_of
+from .schemas import (RESPONSE_EVENTS, RESPONSES_ERRORS, ResponseDeleted, ResponseObject,
+                      ResponsesRequest, request_body)
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
 log = logging.getLogger("shoal.gateway")
@@ -34,7 +36,11 @@ def upstream_error(request: Request, exc: UpstreamError) -> JSONResponse:
                         headers=exc.retry_headers())
 
 
-@router.post("", summary="Responses, with the code interpreter served here")
+@router.post("", summary="Responses, with the code interpreter served here",
+             responses={**RESPONSES_ERRORS, 200: {
+                 "model": ResponseObject, "content": RESPONSE_EVENTS,
+                 "description": "The response; with \"stream\": true, its events"}},
+             openapi_extra=request_body(json=ResponsesRequest))
 async def create_response(request: Request, tenant: str = Depends(tenant_of)) -> Response:
     gateway = request.app.state.gateway
     body = await read_json_object(request)
@@ -98,13 +104,17 @@ async def _stream(first, iterator, session, request_id) -> AsyncIterator[bytes]:
             yield event
 
 
-@router.get("/{response_id}", summary="A stored response")
+@router.get("/{response_id}", summary="A stored response",
+            responses={**RESPONSES_ERRORS,
+                       200: {"model": ResponseObject, "description": "The response"}})
 async def get_response(response_id: str, request: Request,
                        tenant: str = Depends(tenant_of)) -> Response:
     return json_response(await request.app.state.gateway.stored_response(tenant, response_id))
 
 
-@router.delete("/{response_id}", summary="Forget a stored response")
+@router.delete("/{response_id}", summary="Forget a stored response",
+               responses={**RESPONSES_ERRORS,
+                          200: {"model": ResponseDeleted, "description": "Forgotten"}})
 async def delete_response(response_id: str, request: Request,
                           tenant: str = Depends(tenant_of)) -> Response:
     gateway = request.app.state.gateway

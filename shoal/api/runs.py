@@ -24,6 +24,8 @@ from ._bodies import read_json_object
 from ._responses import json_response
 from .auth import tenant_of
 from .errors import BadRequest
+from .schemas import (RUN_EVENTS, RUNS_ERRORS, RunRecord, StartRun, SubmitToolResults,
+                      ToolResultsAccepted, request_body)
 
 router = APIRouter(prefix="/v1/code-execution/runs", tags=["runs"])
 PING_SECONDS = 15
@@ -81,18 +83,26 @@ def _streaming(events: AsyncIterator[Event], last_id: int = 0) -> EventSourceRes
                                headers={"Cache-Control": "no-store"})
 
 
-@router.post("", summary="Start a run; its events as server-sent events")
+@router.post("", summary="Start a run; its events as server-sent events",
+             response_class=Response,
+             responses={**RUNS_ERRORS, 200: {"content": RUN_EVENTS, "description": (
+                 "The run's events, from run.created to [DONE]")}},
+             openapi_extra=request_body(json=StartRun))
 async def start_run(request: Request, tenant: str = Depends(tenant_of)) -> Response:
     run = await _runs(request).start(tenant, parse_run(await read_json_object(request)))
     return _streaming(run.log.follow(0))
 
 
-@router.get("/{run_id}", summary="A run's record (the tool result shape)")
+@router.get("/{run_id}", summary="A run's record (the tool result shape)",
+            responses={**RUNS_ERRORS, 200: {"model": RunRecord, "description": "The record"}})
 async def get_run(run_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
     return json_response(await _runs(request).record(tenant, run_id))
 
 
-@router.get("/{run_id}/events", summary="Replay a run's events, then follow it")
+@router.get("/{run_id}/events", summary="Replay a run's events, then follow it",
+            response_class=Response,
+            responses={**RUNS_ERRORS, 200: {"content": RUN_EVENTS, "description": (
+                "The events after Last-Event-ID (or after=), then the live ones")}})
 async def run_events(run_id: str, request: Request, after: int | None = Query(None, ge=0),
                      tenant: str = Depends(tenant_of)) -> Response:
     last = request.headers.get("last-event-id")
@@ -125,7 +135,10 @@ async def _from_record(record: dict, after: int) -> AsyncIterator[Event]:
             yield event
 
 
-@router.post("/{run_id}/tool-results", summary="Answer the run's waiting tool calls")
+@router.post("/{run_id}/tool-results", summary="Answer the run's waiting tool calls",
+             responses={**RUNS_ERRORS,
+                        200: {"model": ToolResultsAccepted, "description": "Accepted"}},
+             openapi_extra=request_body(json=SubmitToolResults))
 async def tool_results(run_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
     body = await read_json_object(request)
     results = body.get("results")
@@ -146,6 +159,8 @@ async def tool_results(run_id: str, request: Request, tenant: str = Depends(tena
     return json_response({"run_id": run_id, "accepted": accepted})
 
 
-@router.delete("/{run_id}", summary="Cancel a run")
+@router.delete("/{run_id}", summary="Cancel a run",
+               responses={**RUNS_ERRORS,
+                          200: {"model": RunRecord, "description": "The cancelled run's record"}})
 async def cancel_run(run_id: str, request: Request, tenant: str = Depends(tenant_of)) -> Response:
     return json_response(await _runs(request).cancel(tenant, run_id))

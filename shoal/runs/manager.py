@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from shoal.config import Settings
-from shoal.sandbox import (CallTooLarge, ExecResult, FileAccessError, Limit, PoolBusy, Sandbox,
-                           SandboxPath, StubSpec, parse_path)
+from shoal.sandbox import (CallTooLarge, DiskFull, ExecResult, FileAccessError, Limit, PoolBusy,
+                           Sandbox, SandboxPath, StubSpec, UidsExhausted, parse_path)
 from shoal.sandbox.launcher import LaunchFailed
 from shoal.sandbox.mounts import OUTPUTS, WORKSPACE
 from shoal.sessions import AtCapacity, ContainerFile, SandboxClosed, SessionManager
@@ -317,6 +317,8 @@ class RunManager:
             sandbox = await sessions.pool.lease()
             leftover.append(sandbox)
         run.sandbox = sandbox
+        sandbox.owner = {"tenant": run.tenant, "run": run.id,
+                         **({"container": container.id} if container is not None else {})}
         try:
             request = run.request
             caronte = request.caronte_files and container is not None
@@ -418,7 +420,7 @@ class RunManager:
 
 def _client_error(exc: Exception) -> str | None:
     """A failure the client can act on, in words; None for a server bug."""
-    if isinstance(exc, (AtCapacity, PoolBusy)):
+    if isinstance(exc, (AtCapacity, PoolBusy, UidsExhausted, DiskFull)):
         return str(exc)
     if isinstance(exc, LaunchFailed):
         return "no sandbox could be started; retry later"

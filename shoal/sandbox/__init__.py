@@ -13,6 +13,7 @@ from .result import ExecResult, Limit, ProducedFile, decode_file_id, encode_file
 from .runtime import RuntimeMissing
 from .sandbox import OutputCallback, Sandbox, SandboxClosed
 from .toolcalls import StubSpec, ToolCall, ToolHandler, ToolOutcome
+from .uids import UidsExhausted
 from .volumes import DiskFull
 
 __all__ = [
@@ -21,5 +22,5 @@ __all__ = [
     "PathOutside", "SandboxFiles", "SandboxPath", "guess_mime_type", "parse_path",
     "ExecResult", "IsolationUnavailable", "Limit", "ProducedFile", "RuntimeMissing",
     "OutputCallback", "PoolBusy", "Sandbox", "SandboxClosed", "SandboxPool", "StubSpec", "ToolCall",
-    "ToolHandler", "ToolOutcome", "decode_file_id", "encode_file_id",
+    "ToolHandler", "ToolOutcome", "UidsExhausted", "decode_file_id", "encode_file_id",
 ]

@@ -21,6 +21,7 @@ import resource
 import signal
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +165,14 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _wait_reaped(pid: int, timeout: float = 5.0) -> None:
+    """Wait until the zygote has reaped its fork ``pid``: a closed sandbox
+    leaves no zombie behind (the zygote reaps on SIGCHLD)."""
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
 def stop_process_tree(process: SandboxProcess, cgroup: Cgroup) -> None:
     """Kill a sandbox's processes and reap the ones that are ours to reap.
 
@@ -188,6 +197,8 @@ def stop_process_tree(process: SandboxProcess, cgroup: Cgroup) -> None:
     if process.popen is not None:
         process.popen.kill()
         process.popen.wait()
+    elif outer:
+        _wait_reaped(outer)
     if process.errors_fd >= 0:
         os.close(process.errors_fd)
         process.errors_fd = -1

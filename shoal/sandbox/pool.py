@@ -30,9 +30,11 @@ from .launcher import LaunchConfig, LaunchFailed, SandboxProcess, launch, stop_p
 from .mounts import SandboxHome
 from .volumes import Volume, mounts_under, unmount
 from .zygote import Zygote, ZygoteFailed
-from .runtime import find_runtime
+from .runtime import find_runtime, hold_runtime
 from .sandbox import Sandbox
+from .stats import SandboxStats
 from .uids import UidAllocator
+from .volumes import DiskFull, check_room
 
 log = logging.getLogger("shoal.pool")
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent"
@@ -57,6 +59,9 @@ class SandboxPool:
         # Warm launches that failed in a row: the refill backs off instead of
         # spinning on a full disk or an exhausted uid range.
         self.warm_failures = 0
+        self.last_failure: str | None = None
+        self.stats = SandboxStats()
+        self._runtime_hold: int | None = None
         self._refill_task: asyncio.Task | None = None
         self._warming: set[asyncio.Task] = set()
         self._wakeup = asyncio.Event()
@@ -87,6 +92,7 @@ class SandboxPool:
         self._cgroups = CgroupManager()
         await asyncio.to_thread(self._sweep_stale)
         runtime = find_runtime(self.settings.runtime_dir)
+        self._runtime_hold = hold_runtime(runtime)
         agent_root = self._install_agent()
         self._config = LaunchConfig(runtime=runtime, agent_root=agent_root,
                                     tmp_size_bytes=self.settings.tmp_size_mib * MiB,
@@ -152,6 +158,9 @@ class SandboxPool:
                              return_exceptions=True)
         if self._zygote is not None:
             self._zygote.close()
+        if self._runtime_hold is not None:
+            os.close(self._runtime_hold)
+            self._runtime_hold = None
         for mount_point in mounts_under(self._sandboxes_dir):
             unmount(mount_point)  # never rmtree through a volume still mounted
         shutil.rmtree(self._sandboxes_dir, ignore_errors=True)
@@ -199,9 +208,11 @@ class SandboxPool:
                 cgroup = await asyncio.to_thread(self._adopt, sandbox_name, uid, home, memory_bytes)
                 sandbox = Sandbox(self, sandbox_name, uid, home, cgroup, None)
                 sandbox._process = await self._spawn(sandbox, preload=False)
-            except BaseException:
+            except BaseException as exc:
                 await asyncio.shield(asyncio.to_thread(self._discard, uid, home, cgroup))
+                self._launch_failed(exc, name)
                 raise
+            self.stats.launches += 1
             self._live.add(sandbox)
             return sandbox
 
@@ -215,6 +226,27 @@ class SandboxPool:
     @property
     def ready_count(self) -> int:
         return len(self._ready)
+
+    @property
+    def free_uids(self) -> int:
+        return self._uids.free
+
+    def problems(self) -> list[str]:
+        """Why a lease could not get a sandbox now; empty when it could."""
+        found = []
+        if self._uids.exhausted:
+            found.append("uids exhausted: every sandbox uid is leased")
+        if self.warm_failures and not self._ready:
+            found.append(f"pool cannot warm: {self.warm_failures} launches failed in a row "
+                         f"({self.last_failure})")
+        try:
+            check_room(self._scratch_dir / "readiness-probe.img",
+                       self.settings.disk_limit_mib * MiB)
+        except DiskFull as exc:
+            found.append(f"disk low: {exc}")
+        except OSError:
+            pass  # the scratch directory is made at start; not there yet is not a fault
+        return found
 
     def leftovers(self) -> dict[str, list]:
         """What the pool created and still exists; all empty when idle and closed."""
@@ -276,6 +308,13 @@ class SandboxPool:
             os.chmod(target, 0o644)
         return self._agent_dir
 
+    async def cut_all(self, reason: str) -> int:
+        """Stop every call running in any sandbox (the server is going away);
+        each returns what it produced, ending with ``reason``. How many were cut."""
+        cut = await asyncio.gather(*(sandbox.cancel(reason) for sandbox in list(self._live)),
+                                   return_exceptions=True)
+        return sum(1 for outcome in cut if outcome is True)
+
     @property
     def target(self) -> int:
         """How many warm sandboxes the pool keeps: its size, plus what a burst added."""
@@ -336,12 +375,20 @@ class SandboxPool:
                 sandbox = Sandbox(self, name, uid, home, cgroup, None)
                 sandbox.release_home = lambda: self._volume_of(name).destroy()
                 sandbox._process = await self._spawn(sandbox)
-            except BaseException:
+            except BaseException as exc:
                 # Shielded: a cancelled launch must still give back what it took.
                 await asyncio.shield(asyncio.to_thread(self._discard, uid, home, cgroup, name))
+                self._launch_failed(exc, name)
                 raise
+            self.stats.launches += 1
             self._live.add(sandbox)
             return sandbox
+
+    def _launch_failed(self, exc: BaseException, name: str) -> None:
+        if isinstance(exc, Exception):  # not a cancellation
+            self.stats.launch_failures += 1
+            self.last_failure = f"{type(exc).__name__}: {exc}"
+            log.warning("a sandbox launch failed: %s", exc, extra={"sandbox": name})
 
     def _volume_of(self, name: str) -> Volume:
         return Volume(self._scratch_dir / f"{name}.img", self._sandboxes_dir / name)

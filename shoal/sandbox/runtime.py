@@ -15,6 +15,7 @@ server never runs an unverified binary.
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import json
 import os
@@ -110,6 +111,40 @@ def find_runtime(cache_dir: Path, requirements: Path = REQUIREMENTS) -> Path:
     return path
 
 
+def hold_runtime(runtime: Path) -> int:
+    """Mark a build as in use for as long as the returned fd stays open: a server
+    holds it while it serves, so pruning never removes a runtime under a sandbox."""
+    fd = os.open(runtime.parent / f"{runtime.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def prune_runtimes(cache_dir: Path, keep: Path, say: Callable[[str], None]) -> list[Path]:
+    """Remove the builds of older pins that no running server holds."""
+    removed = []
+    for entry in sorted(cache_dir.iterdir()) if cache_dir.is_dir() else []:
+        if (entry == keep or not entry.is_dir() or len(entry.name) != len(keep.name)
+                or not (entry / _COMPLETE_MARKER).exists()):
+            continue
+        lock = os.open(cache_dir / f"{entry.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                       0o600)
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                say(f"runtime: keeping {entry} (a running server uses it)")
+                continue
+            # Not complete first: a half-removed build is never taken for a good one.
+            (entry / _COMPLETE_MARKER).unlink()
+            shutil.rmtree(entry)
+            removed.append(entry)
+            say(f"runtime: removed the old build {entry}")
+        finally:
+            os.close(lock)
+    return removed
+
+
 def build_runtime(cache_dir: Path, requirements: Path = REQUIREMENTS,
                   progress: Callable[[str], None] | None = None) -> Path:
     """Build the runtime venv if it is missing; returns its path either way."""
@@ -117,6 +152,7 @@ def build_runtime(cache_dir: Path, requirements: Path = REQUIREMENTS,
     target = cache_dir / runtime_key(requirements)
     if (target / _COMPLETE_MARKER).exists():
         say(f"runtime: up to date at {target}")
+        prune_runtimes(cache_dir, target, say)
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(cache_dir, 0o755)
@@ -149,4 +185,5 @@ def build_runtime(cache_dir: Path, requirements: Path = REQUIREMENTS,
     (building / _COMPLETE_MARKER).write_text(requirements.read_text())
     os.rename(building, target)
     say(f"runtime: ready at {target}")
+    prune_runtimes(cache_dir, target, say)
     return target

@@ -76,12 +76,13 @@ class _Collector:
 class _Running:
     """The call in progress: its id on the channel, its tool traffic, whether it was cancelled."""
 
-    __slots__ = ("call_id", "exchange", "cancelled")
+    __slots__ = ("call_id", "exchange", "cancelled", "reason")
 
     def __init__(self, call_id: int, exchange: ToolExchange) -> None:
         self.call_id = call_id
         self.exchange = exchange
         self.cancelled = False
+        self.reason: str | None = None
 
 
 class Sandbox:
@@ -100,6 +101,9 @@ class Sandbox:
         self._oom_seen = cgroup.oom_kills()
         self._pids_seen = cgroup.pids_limit_hits()
         self._running: _Running | None = None
+        # Who uses the sandbox now, for logs and usage: tenant, session, container
+        # (set by the layer that leased it).
+        self.owner: dict[str, str] = {}
 
     # -- the public calls -----------------------------------------------------
     async def run_python(self, code: str, timeout: float | None = None,
@@ -128,13 +132,15 @@ class Sandbox:
         ``undo_edit``) with Anthropic's field names."""
         return await self._call({"op": "edit", "request": request}, timeout, None)
 
-    async def cancel(self) -> bool:
+    async def cancel(self, reason: str | None = None) -> bool:
         """Stop the call in progress: interrupted at once, its processes killed if it
-        does not stop within a grace period. False if no call was running."""
+        does not stop within a grace period. ``reason`` ends the call's stderr.
+        False if no call was running."""
         running = self._running
         if running is None or running.cancelled:
             return False
         running.cancelled = True
+        running.reason = reason
         try:
             await self._process.channel.send({"op": "cancel", "id": running.call_id})
         except Exception:  # noqa: BLE001 - a dead channel ends the call anyway
@@ -213,8 +219,13 @@ class Sandbox:
                 self._running = None
                 running.exchange.close()
             result.cancelled = running.cancelled
+            if running.reason:
+                separator = "" if not result.stderr or result.stderr.endswith("\n") else "\n"
+                result.stderr += f"{separator}{running.reason}"
             result.tool_calls = running.exchange.made
-            result.execution_time_ms = int((time.perf_counter() - started) * 1000)
+            elapsed = time.perf_counter() - started
+            result.execution_time_ms = int(elapsed * 1000)
+        self._pool.stats.ran(self.owner.get("tenant"), elapsed)
         if result.timed_out:
             note = ""
             if limit < requested:
@@ -262,6 +273,9 @@ class Sandbox:
             detail = "killed: the sandbox exceeded its memory limit"
         else:
             detail = "the sandbox's interpreter stopped unexpectedly"
+            self._pool.stats.crashes += 1
+            log.warning("sandbox crashed under a call; restarting it on the same files",
+                        extra={"sandbox": self.name, **self.owner})
         separator = "" if not result.stderr or result.stderr.endswith("\n") else "\n"
         result.stderr += (f"{separator}{detail}; it was restarted with the same files, "
                           "but variables and imports from earlier calls are gone.")
@@ -279,9 +293,12 @@ class Sandbox:
             pass
         oom = self._cgroup.oom_kills()
         if oom > self._oom_seen:
+            self._pool.stats.oom_kills += oom - self._oom_seen
             self._oom_seen = oom
             result.limits.append(Limit.MEMORY)
             fired = True
+            log.warning("sandbox hit its memory limit: the kernel killed a process (OOM)",
+                        extra={"sandbox": self.name, "oom_kills": oom, **self.owner})
         pids = self._cgroup.pids_limit_hits()
         if pids > self._pids_seen:
             self._pids_seen = pids
@@ -310,6 +327,7 @@ class Sandbox:
         except TimeoutError as exc:
             # Stragglers die on their own (SIGKILL is pending); the sandbox must not wait.
             log.warning("sandbox %s: %s; restarting anyway", self.name, exc)
+        self._pool.stats.restarts += 1
         self._process = await self._pool._spawn(self)
 
     def _stop_processes(self) -> None:

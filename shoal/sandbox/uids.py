@@ -25,6 +25,8 @@ class UidAllocator:
         self._lock_dir = lock_dir
         self._next = 0
         self._leased: dict[int, int] = {}  # uid -> fd holding its lock
+        # The last lease found no free uid, and none was released since.
+        self.exhausted = False
 
     def lease(self) -> int:
         self._lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -42,12 +44,22 @@ class UidAllocator:
             self._next = (self._next + step + 1) % self._count
             self._leased[uid] = fd
             return uid
-        raise UidsExhausted("no sandbox uid is free; raise SHOAL_UID_COUNT")
+        self.exhausted = True
+        raise UidsExhausted(f"every sandbox uid ({self._count} from {self._base}) is leased; "
+                            "retry when a session ends (the operator can raise "
+                            "SHOAL_UID_COUNT)")
 
     def release(self, uid: int) -> None:
         fd = self._leased.pop(uid, None)
         if fd is not None:
             os.close(fd)
+            self.exhausted = False
+
+    @property
+    def free(self) -> int:
+        """Uids of the range this server does not hold (another server on the same
+        range may hold some of them)."""
+        return self._count - len(self._leased)
 
     @property
     def leased(self) -> frozenset[int]:

@@ -199,6 +199,10 @@ class ContainerManager:
         await self.touch(record)
         return sandbox, restarted
 
+    def usage(self) -> tuple[int, int]:
+        """Containers with files and the disk they use (blocking: a directory walk)."""
+        return self.files.usage()
+
     def release(self, record: ContainerRecord) -> None:
         live = self._live.get((record.tenant, record.id))
         if live is not None:

@@ -69,6 +69,19 @@ class SessionManager:
         await self.pool.close()
         await self.metadata.close()
 
+    async def cut_all(self, reason: str) -> int:
+        """Stop every running call, sessions' and runs' alike (see SandboxPool.cut_all)."""
+        return await self.pool.cut_all(reason)
+
+    @property
+    def reserved(self) -> int:
+        """Slots claimed by leases still starting and by runs."""
+        return self._reserved
+
+    def holdings(self) -> dict[str, int]:
+        """Slots (sessions and runs) each tenant holds now."""
+        return dict(self._held)
+
     @property
     def live(self) -> int:
         return len(self._sessions)
@@ -160,6 +173,8 @@ class SessionManager:
             interpreter_restarted=restarted,
             on_activity=self._container_activity if container is not None else None,
         )
+        sandbox.owner = {"tenant": tenant, "session": session.id,
+                         **({"container": container.id} if container is not None else {})}
         self._sessions[session.id] = session
         return session
 

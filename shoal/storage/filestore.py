@@ -51,6 +51,10 @@ class FileStore(abc.ABC):
     @abc.abstractmethod
     def delete_upload(self, tenant: str, upload_id: str) -> None: ...
 
+    @abc.abstractmethod
+    def usage(self) -> tuple[int, int]:
+        """How many containers have files, and the bytes of disk those really use."""
+
     def close(self) -> None:
         """Release what the store holds open (mounts); files stay."""
 
@@ -104,6 +108,23 @@ class LocalFileStore(FileStore):
 
     def destroy(self, tenant: str, container_id: str) -> None:
         self._volume(tenant, container_id).destroy()
+
+    def usage(self) -> tuple[int, int]:
+        count = used = 0
+        try:
+            tenants = list(os.scandir(self._images))
+        except OSError:
+            return 0, 0
+        for tenant in tenants:
+            try:
+                with os.scandir(tenant.path) as images:
+                    for image in images:
+                        if image.name.endswith(".img"):
+                            count += 1
+                            used += image.stat(follow_symlinks=False).st_blocks * 512
+            except OSError:
+                continue
+        return count, used
 
     def close(self) -> None:
         for mount_point in mounts_under(self._mounts):

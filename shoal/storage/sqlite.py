@@ -8,9 +8,11 @@ same schema.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import sqlite3
 from pathlib import Path
 
 import aiosqlite
@@ -18,61 +20,96 @@ import aiosqlite
 from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
                        UploadRecord)
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS containers (
-    tenant TEXT NOT NULL,
-    id TEXT NOT NULL,
-    name TEXT,
-    created_at REAL NOT NULL,
-    last_active_at REAL NOT NULL,
-    expires_after_minutes INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    implicit INTEGER NOT NULL,
-    memory_limit TEXT,
-    PRIMARY KEY (tenant, id)
-);
-CREATE INDEX IF NOT EXISTS containers_expiry ON containers (status, last_active_at);
-CREATE TABLE IF NOT EXISTS container_files (
-    tenant TEXT NOT NULL,
-    container_id TEXT NOT NULL,
-    path TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    size INTEGER NOT NULL,
-    source TEXT NOT NULL,
-    etag TEXT,
-    PRIMARY KEY (tenant, container_id, path)
-);
-CREATE TABLE IF NOT EXISTS uploads (
-    tenant TEXT NOT NULL,
-    id TEXT NOT NULL,
-    filename TEXT NOT NULL,
-    size INTEGER NOT NULL,
-    created_at REAL NOT NULL,
-    purpose TEXT,
-    mime_type TEXT NOT NULL,
-    extra TEXT NOT NULL,
-    PRIMARY KEY (tenant, id)
-);
-CREATE TABLE IF NOT EXISTS runs (
-    tenant TEXT NOT NULL,
-    id TEXT NOT NULL,
-    container_id TEXT,
-    status TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    body TEXT NOT NULL,
-    PRIMARY KEY (tenant, id)
-);
-CREATE INDEX IF NOT EXISTS runs_age ON runs (created_at);
-CREATE TABLE IF NOT EXISTS responses (
-    tenant TEXT NOT NULL,
-    id TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    body TEXT NOT NULL,
-    state TEXT NOT NULL,
-    PRIMARY KEY (tenant, id)
-);
-CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at);
-"""
+# The schema's history, oldest first: a database is at version N (SQLite's
+# user_version) once the first N steps ran. A step is never edited once
+# released; a change is a new step at the end, so every older database walks
+# forward to the current schema with nothing lost.
+_MIGRATIONS = (
+    # 1: the first release: containers, their files, tenants' uploads.
+    """
+    CREATE TABLE IF NOT EXISTS containers (
+        tenant TEXT NOT NULL,
+        id TEXT NOT NULL,
+        name TEXT,
+        created_at REAL NOT NULL,
+        last_active_at REAL NOT NULL,
+        expires_after_minutes INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        implicit INTEGER NOT NULL,
+        memory_limit TEXT,
+        PRIMARY KEY (tenant, id)
+    );
+    CREATE INDEX IF NOT EXISTS containers_expiry ON containers (status, last_active_at);
+    CREATE TABLE IF NOT EXISTS container_files (
+        tenant TEXT NOT NULL,
+        container_id TEXT NOT NULL,
+        path TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        size INTEGER NOT NULL,
+        source TEXT NOT NULL,
+        etag TEXT,
+        PRIMARY KEY (tenant, container_id, path)
+    );
+    CREATE TABLE IF NOT EXISTS uploads (
+        tenant TEXT NOT NULL,
+        id TEXT NOT NULL,
+        filename TEXT NOT NULL,
+        size INTEGER NOT NULL,
+        created_at REAL NOT NULL,
+        purpose TEXT,
+        mime_type TEXT NOT NULL,
+        extra TEXT NOT NULL,
+        PRIMARY KEY (tenant, id)
+    );
+    """,
+    # 2: run records and stored responses (the runs API, the responses gateway).
+    """
+    CREATE TABLE IF NOT EXISTS runs (
+        tenant TEXT NOT NULL,
+        id TEXT NOT NULL,
+        container_id TEXT,
+        status TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        body TEXT NOT NULL,
+        PRIMARY KEY (tenant, id)
+    );
+    CREATE INDEX IF NOT EXISTS runs_age ON runs (created_at);
+    CREATE TABLE IF NOT EXISTS responses (
+        tenant TEXT NOT NULL,
+        id TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        body TEXT NOT NULL,
+        state TEXT NOT NULL,
+        PRIMARY KEY (tenant, id)
+    );
+    CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at);
+    """,
+)
+SCHEMA_VERSION = len(_MIGRATIONS)
+
+
+class SchemaTooNew(RuntimeError):
+    """The database was written by a newer Shoal: this one must not touch it."""
+
+
+def schema_problem(path: Path) -> str | None:
+    """Why this Shoal cannot open the database at ``path`` (checked before serving)."""
+    try:
+        if not path.exists():
+            return None
+    except OSError as exc:  # not root, say: the isolation checks say so too
+        return f"cannot read the metadata database {path}: {exc.strerror}"
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+    except sqlite3.Error as exc:
+        return f"cannot read the metadata database {path}: {exc}"
+    if version > SCHEMA_VERSION:
+        return (f"{path} holds schema version {version}, written by a newer Shoal; this one "
+                f"knows up to {SCHEMA_VERSION}: upgrade Shoal, or restore the backup taken "
+                "before the upgrade")
+    return None
+
 
 _CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_after_minutes, "
                       "status, implicit, memory_limit")
@@ -98,6 +135,26 @@ class DataDirInUse(RuntimeError):
     """Another server holds this data directory."""
 
 
+def lock_path(data_dir: Path) -> Path:
+    return data_dir / "shoal.lock"
+
+
+def data_dir_holder(data_dir: Path) -> str | None:
+    """The pid of the server holding ``data_dir``, or None if it is free."""
+    path = lock_path(data_dir)
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        return None
+    finally:
+        os.close(fd)
+
+
 class SqliteMetadataStore(MetadataStore):
     def __init__(self, path: Path) -> None:
         self._path = path
@@ -107,22 +164,45 @@ class SqliteMetadataStore(MetadataStore):
     def _take_lock(self) -> None:
         # Two servers on one data directory would mount the same volumes twice
         # and corrupt them: the second one refuses to start.
-        fd = os.open(self._path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(lock_path(self._path.parent), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise DataDirInUse(f"another Shoal server is using {self._path.parent}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock = fd
 
     async def open(self) -> None:
         self._path.parent.mkdir(parents=True, exist_ok=True)
         self._take_lock()
         self._db = await aiosqlite.connect(self._path)
+        # Read the version before anything writes: a newer Shoal's file is left as it is.
+        version = (await self._rows("PRAGMA user_version"))[0][0]
+        if version > SCHEMA_VERSION:
+            await self.close()
+            raise SchemaTooNew(f"{self._path} holds schema version {version}, written by a "
+                               f"newer Shoal; this one knows up to {SCHEMA_VERSION}: upgrade "
+                               "Shoal, or restore the backup taken before the upgrade")
         await self._db.execute("PRAGMA journal_mode=WAL")
         await self._db.execute("PRAGMA synchronous=FULL")
-        await self._db.executescript(_SCHEMA)
-        await self._db.commit()
+        await self._migrate(version)
+
+    async def _migrate(self, version: int) -> None:
+        """Walk the database forward to SCHEMA_VERSION, one committed step at a time."""
+        if version == 0 and await self._rows(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'containers'"):
+            version = 1  # the first release kept no version: its tables say which it is
+        for step in range(version, SCHEMA_VERSION):
+            # executescript commits what came before; BEGIN makes the step and its
+            # version one transaction, so a crash mid-step leaves the old version.
+            await self.db.executescript(f"BEGIN; {_MIGRATIONS[step]}; "
+                                        f"PRAGMA user_version = {step + 1}; COMMIT;")
+
+    @property
+    def schema_version(self) -> int:
+        return SCHEMA_VERSION
 
     async def close(self) -> None:
         if self._db is not None:

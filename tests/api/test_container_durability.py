@@ -292,7 +292,8 @@ def test_a_second_server_on_the_same_data_dir_refuses_to_start(start, tmp_path):
 
         with pytest.raises(RuntimeError) as refused:
             start(data_dir=data_dir)
-        assert "another Shoal server is using" in str(refused.value)
+        assert "another Shoal server (pid " in str(refused.value)
+        assert "is using the data directory" in str(refused.value)
         assert str(data_dir) in str(refused.value)
 
         # The first server and its live container are undisturbed.

@@ -76,8 +76,17 @@ def _exec(client, session_id: str, tool: str, timeout: int | None = None, **tool
 def test_every_metric_is_served(client):
     types = {family.name: family.type
              for family in text_string_to_metric_families(client.get("/metrics").text)}
-    assert types == {"shoal_exec_seconds": "histogram", "shoal_limits_fired": "counter",
-                     "shoal_sessions_live": "gauge", "shoal_pool_ready": "gauge"}, types
+    assert types == {
+        "shoal_http_requests": "counter", "shoal_http_request_seconds": "histogram",
+        "shoal_exec_seconds": "histogram", "shoal_limits_fired": "counter",
+        "shoal_sandbox_launches": "counter", "shoal_sandbox_launch_failures": "counter",
+        "shoal_sandbox_crashes": "counter", "shoal_sandbox_oom_kills": "counter",
+        "shoal_sandbox_restarts": "counter",
+        "shoal_sessions_live": "gauge", "shoal_sessions_max": "gauge",
+        "shoal_pool_ready": "gauge", "shoal_pool_target": "gauge", "shoal_uids_free": "gauge",
+        "shoal_ready": "gauge", "shoal_containers_active": "gauge",
+        "shoal_container_disk_bytes": "gauge", "shoal_tenant_sessions": "gauge",
+        "shoal_tenant_exec_seconds": "counter", "shoal_tenant_calls": "counter"}, types
 
 
 def test_exec_counts_move_per_tool_and_only_for_calls_that_ran(client, session_id):

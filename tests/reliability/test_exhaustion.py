@@ -446,7 +446,8 @@ def test_sessions_up_to_capacity_then_503_then_all_released(shoal):
     capacity = 12
     busy = shoal(pool_size=2, max_sessions=capacity)
     with busy.client(timeout=120) as http:
-        with Responsiveness(busy) as probe:  # the probe holds one of the slots
+        # The probe holds one of the slots; a full house is "degraded: at_capacity".
+        with Responsiveness(busy, expected_reasons=frozenset({"at_capacity"})) as probe:
             with ThreadPoolExecutor(capacity) as workers:
                 answers = list(workers.map(lambda _: http.post("/sessions", json={}),
                                            range(capacity - 1)))
@@ -458,6 +459,7 @@ def test_sessions_up_to_capacity_then_503_then_all_released(shoal):
             assert full.json()["detail"] and full.headers.get("retry-after")
             health = http.get("/health").json()
             assert (health["sessions"], health["max_sessions"]) == (capacity, capacity)
+            assert (health["status"], health["reasons"]) == ("degraded", ["at_capacity"])
             with ThreadPoolExecutor(4) as workers:
                 outputs = list(workers.map(
                     lambda sid: python(http, sid, "print('up')")["content"]["stdout"], ids))

@@ -22,12 +22,8 @@ No response may be a 5xx. Each generated case is sent twice: once as generated
 container, scope and file ids replaced by live ones, so that the fuzzed
 parameters reach the code behind the lookup.
 
-One known mismatch is kept as a strict xfail of its own, not swallowed by the
-checks: the served document declares the protocol's error body for every error,
-while the OpenAI- and Anthropic-dialect routes (rightly) answer in their own shape
-(``test_the_served_document_declares_the_dialect_error_shapes``). Only that case
-is exempt from the served-document conformance check; the dialect check still
-holds those answers to their real shape.
+Every answer is held to the served document, errors included (each dialect's
+error shape is declared there), and to its dialect's real shape.
 
 What had to be configured: ``MAX_EXAMPLES`` (``CONTRACT_EXAMPLES``) generated cases
 per operation in the fuzzing phase, no deadline, Hypothesis' health checks off (they trip on a real
@@ -181,26 +177,6 @@ _DELETED_OBJECTS = {("DELETE", "/v1/containers/{container_id}"): "container.dele
                         "container.file.deleted"}
 
 
-_CONTAINER_OBJECTS = {("POST", "/v1/containers"), ("GET", "/v1/containers"),
-                      ("GET", "/v1/containers/{container_id}")}
-
-
-def _but_the_known_deviation(key: tuple[str, str], body: dict) -> dict:
-    """A container made without a name is answered with ``"name": null``, where OpenAI
-    requires a name and always answers a string: the known deviation of
-    ``test_a_container_without_a_name_is_answered_as_openai_does`` (a strict xfail),
-    exempted here only, so that the rest of the object is still checked."""
-    if key not in _CONTAINER_OBJECTS:
-        return body
-
-    def named(item: dict) -> dict:
-        return {**item, "name": ""} if isinstance(item, dict) and item.get("name", "") is None else item
-
-    if key == ("GET", "/v1/containers") and isinstance(body.get("data"), list):
-        return {**body, "data": [named(item) for item in body["data"]]}
-    return named(body)
-
-
 def _request_facts(response, case) -> tuple[str, dict, dict]:
     url = urlsplit(str(response.request.url))
     return url.path, parse_qs(url.query, keep_blank_values=True), dict(response.request.headers)
@@ -244,7 +220,7 @@ def openai_objects_as_the_sdk_parses_them(ctx, response, case):
         return None
     if dialect_of(path, query, headers) != OPENAI:
         return None  # Zylon's Files API on the same routes (scope_id)
-    body = _but_the_known_deviation(key, response.json())
+    body = response.json()
     model.validate(body) if isinstance(model, _ListOf) else model.model_validate(body)
     if key in _DELETED_OBJECTS:
         assert body["object"] == _DELETED_OBJECTS[key] and body["deleted"] is True, body
@@ -253,18 +229,25 @@ def openai_objects_as_the_sdk_parses_them(ctx, response, case):
 
 @schemathesis.check
 def conforms_to_the_served_document(ctx, response, case):
-    """``response_schema_conformance`` against /openapi.json, except for the one known
-    mismatch (dialect-shaped errors, see the strict xfail below), whose answers the
-    dialect check holds to their real shape instead."""
-    path, query, headers = _request_facts(response, case)
-    if response.status_code >= 400 and dialect_of(path, query, headers) != PROTOCOL:
-        return None
+    """``response_schema_conformance`` against /openapi.json: every answer, errors in
+    each dialect's shape included, is what the served document declares."""
     return response_schema_conformance(ctx, response, case)
 
 
-SERVED_CHECKS = [not_a_server_error, errors_in_their_dialects_shape,
+@schemathesis.check
+def no_server_error(ctx, response, case):
+    """No 5xx, but for the one 5xx that is the answer: the fuzzed server has no upstream
+    model, so the gateway routes say 501 "no upstream model" (declared in the document)."""
+    path = urlsplit(str(response.request.url)).path
+    if (response.status_code == 501 and path in ("/v1/messages", "/v1/responses")
+            and "no upstream model" in response.text):
+        return None
+    return not_a_server_error(ctx, response, case)
+
+
+SERVED_CHECKS = [no_server_error, errors_in_their_dialects_shape,
                  openai_objects_as_the_sdk_parses_them, conforms_to_the_served_document]
-CONTRACT_CHECKS = [not_a_server_error, response_schema_conformance, errors_in_their_dialects_shape]
+CONTRACT_CHECKS = [no_server_error, response_schema_conformance, errors_in_their_dialects_shape]
 
 
 # -- the server and live ids --------------------------------------------------------------------------
@@ -415,7 +398,9 @@ def test_the_served_document_lists_every_route(fuzzed_server, tmp_path):
     app = create_app(Settings(data_dir=tmp_path / "data", run_dir=tmp_path / "run"))
     served_routes = {(method, re.sub(r"\{(\w+):\w+\}", r"{\1}", path))
                      for method, path, _ in _app_routes(app.routes)}
-    served_routes -= {("GET", "/openapi.json"), ("HEAD", "/openapi.json")}  # the document itself
+    # The document itself and its browser (Swagger UI's page and its OAuth2 helper).
+    served_routes -= {(method, path) for method in ("GET", "HEAD")
+                      for path in ("/openapi.json", "/docs", "/docs/oauth2-redirect")}
     document = httpx.get(f"{fuzzed_server.url}/openapi.json", timeout=30).json()
     listed = _listed(document)
     assert served_routes - listed == set(), "served but not listed, so never fuzzed"
@@ -430,17 +415,13 @@ def test_every_listed_operation_was_fuzzed(fuzzed_server):
     assert _listed(document) - FUZZED == set()
 
 
-# -- the one known mismatch, kept visible -------------------------------------------------------------
+# -- the served document declares each dialect's errors -------------------------------------------
 def _declared_schema(document: dict, method: str, path: str, status: int) -> dict:
     response = document["paths"][path][method]["responses"][str(status)]
     schema = response["content"]["application/json"]["schema"]
     return {**schema, "components": document["components"]}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shoal bug, reported: /openapi.json declares the protocol's ErrorBody ({detail}) "
-    "for the errors of OpenAI-dialect routes, which answer OpenAI's {error: {...}}; "
-    "declare each dialect's error schema (shoal/api) and remove this mark"))
 @pytest.mark.parametrize("method, path, url, status", [
     ("get", "/v1/containers/{container_id}", "/v1/containers/cnt_nosuch", 404),
     ("get", "/v1/containers/{container_id}/files", "/v1/containers/cnt_nosuch/files", 404),
@@ -456,21 +437,17 @@ def test_the_served_document_declares_the_dialect_error_shapes(fuzzed_server, me
     assert errors == [], f"{response.text[:300]} breaks the declared schema: {errors}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shoal bug, reported: POST /v1/containers without a name makes a container and answers "
-    "\"name\": null; OpenAI requires a name (a 400 without one) and its container object's "
-    "name is a string (openai.types.ContainerCreateResponse); fix shoal/api/containers.py, "
-    "remove this mark and _but_the_known_deviation"))
 def test_a_container_without_a_name_is_answered_as_openai_does(fuzzed_server):
+    """OpenAI requires a name (a 400 naming the parameter); a container object's name
+    is always a string (openai.types.ContainerCreateResponse)."""
     with httpx.Client(base_url=fuzzed_server.url, timeout=30) as http:
         response = http.post("/v1/containers", json={})
-        if response.status_code == 200:
-            http.delete(f"/v1/containers/{response.json()['id']}")
-    if response.status_code == 400:
-        assert ERROR_VALIDATORS[OPENAI].is_valid(response.json()), response.text
-        return
-    assert response.status_code == 200, response.text
-    openai.types.ContainerCreateResponse.model_validate(response.json())
+        named = http.post("/v1/containers", json={"name": "named"})
+        http.delete(f"/v1/containers/{named.json()['id']}")
+    assert response.status_code == 400, response.text
+    assert ERROR_VALIDATORS[OPENAI].is_valid(response.json()), response.text
+    assert response.json()["error"]["param"] == "name"
+    openai.types.ContainerCreateResponse.model_validate(named.json())
 
 
 # -- what the fuzzer found, kept as regression tests ------------------------------------------------

@@ -495,7 +495,7 @@ def test_a_nul_in_an_uploaded_file_name_is_refused_or_harmless(security_server, 
                 answer = http.post(f"/v1/containers/{container}/files", json={"file_id": upload})
                 assert answer.status_code in (200, 400, 422), (answer.status_code, answer.text)
             else:
-                answer = http.post("/v1/containers", json={"file_ids": [upload]})
+                answer = http.post("/v1/containers", json={"name": "attach", "file_ids": [upload]})
                 assert answer.status_code in (200, 400, 422), (answer.status_code, answer.text)
                 if answer.status_code == 200:
                     _quietly(url, "DELETE", f"/v1/containers/{answer.json()['id']}")
@@ -535,8 +535,8 @@ def test_huge_timeouts_and_lifetimes_are_clamped(http, session_id):
             assert handle["max_lifetime_seconds"] <= 86400
             assert handle["expires_at"] < time.time() + 86400 + 60
     for minutes in (10**400, 2**64, -1, 0, 241):
-        response = http.post("/v1/containers", json={"expires_after": {"anchor": "last_active_at",
-                                                                        "minutes": minutes}})
+        response = http.post("/v1/containers", json={"name": "ttl", "expires_after": {
+            "anchor": "last_active_at", "minutes": minutes}})
         assert response.status_code in (400, 422), (minutes, response.status_code, response.text)
 
 
@@ -602,7 +602,8 @@ def test_another_tenants_containers_and_uploads_are_invisible(tenants):
                                                json={"file_id": upload["id"]}),
         "attach a's upload to b's own": as_b.post(f"/v1/containers/{mine}/files",
                                                   json={"file_id": upload["id"]}),
-        "create with a's upload": as_b.post("/v1/containers", json={"file_ids": [upload["id"]]}),
+        "create with a's upload": as_b.post("/v1/containers", json={"name": "stolen",
+                                                               "file_ids": [upload["id"]]}),
         "upload meta": as_b.get(f"/v1/files/{upload['id']}"),
         "upload content": as_b.get(f"/v1/files/{upload['id']}/content"),
         "delete file": as_b.delete(f"/v1/containers/{container}/files/{secret['id']}"),

@@ -142,9 +142,13 @@ def recovers(http: httpx.Client, session: str, tries: int = 3) -> bool:
 
 # -- finding the channel ----------------------------------------------------------------------
 def test_the_channel_is_reachable_only_from_the_agent(http, victim):
-    found = run_ok(http, victim, FORGE + "import sys\nprint(CHANNEL, sys.argv[1], os.getpid())")
-    channel, argv, agent_pid = found["stdout"].split()
-    assert channel == argv  # the attacker has it: the rest of this module is meaningful
+    # The agent's own socket, as the interpreter it runs in holds it (whichever
+    # launcher started it, and whatever fd number it got).
+    found = run_ok(http, victim, FORGE + (
+        "agent = next(o for o in gc.get_objects() if type(o).__name__ == 'Agent')\n"
+        "print(CHANNEL, agent._channel.fileno(), os.getpid())"))
+    channel, held, agent_pid = found["stdout"].split()
+    assert channel == held  # the attacker has it: the rest of this module is meaningful
     children = run_ok(http, victim, (
         "ls -l /proc/self/fd | grep -c socket; "
         "python3 -c 'import os; print(sorted(os.listdir(\"/proc/self/fd\")))'; "
