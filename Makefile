@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.shoal-installed
 SYSTEM  := $(VENV)/.shoal-system
 TEST_SYSTEM := $(VENV)/.shoal-test-system
 
-.PHONY: serve test test-slow bench bench-http system runtime check clean lock
+.PHONY: serve test test-slow test-cluster bench bench-http system runtime check clean lock
 
 serve: runtime
 	$(BIN)/shoal serve
@@ -19,12 +19,23 @@ BWRAP_SUITES := tests/sandbox/test_isolation.py tests/sandbox/test_limits.py \
                 tests/sandbox/test_python.py tests/sandbox/test_bash.py tests/sandbox/test_editor.py \
                 tests/sandbox/test_hardening.py tests/security/test_escape.py
 
+# The escape suites once more with egress on (the relay, AF_INET, a broker), on both.
+EGRESS_SUITES := tests/sandbox/test_isolation.py tests/sandbox/test_hardening.py \
+                 tests/security/test_escape.py
+
 test: runtime $(TEST_SYSTEM)
 	SHOAL_LAUNCHER=bwrap bash scripts/run-tests.sh -q -m "not slow" $(BWRAP_SUITES)
-	bash scripts/run-tests.sh -m "not slow"
+	SHOAL_TEST_EGRESS=1 bash scripts/run-tests.sh -q -m "not slow" $(EGRESS_SUITES)
+	SHOAL_TEST_EGRESS=1 SHOAL_LAUNCHER=bwrap bash scripts/run-tests.sh -q -m "not slow" $(EGRESS_SUITES)
+	bash scripts/run-tests.sh -m "not slow and not cluster"
 
 test-slow: runtime
 	bash scripts/run-tests.sh --allow-empty -m slow
+
+# Cluster mode's suites, on real services (PostgreSQL so far).
+test-cluster: runtime
+	bash scripts/ensure-system.sh runtime/cluster-packages.txt
+	bash scripts/run-tests.sh -m cluster tests/cluster
 
 bench: runtime
 	$(BIN)/python bench/sandbox_bench.py
@@ -35,9 +46,13 @@ bench-http: runtime
 check: runtime
 	$(BIN)/shoal check
 
+# The document tools (wkhtmltopdf, a headless Java runtime: ~700 MiB) are part of
+# the runtime by default; make RUNTIME_DOCUMENTS=0 leaves them out (docs/runtime.md).
+RUNTIME_DOCUMENTS ?= 1
 system: $(SYSTEM)
-$(SYSTEM): runtime/debian-packages.txt scripts/ensure-system.sh
+$(SYSTEM): runtime/debian-packages.txt runtime/debian-packages-documents.txt scripts/ensure-system.sh
 	bash scripts/ensure-system.sh
+	if [ "$(RUNTIME_DOCUMENTS)" = 1 ]; then bash scripts/ensure-system.sh runtime/debian-packages-documents.txt; fi
 	@mkdir -p $(VENV) && touch $@
 
 # What only the tests need (strace, kernel headers): installed for make test only.

@@ -10,7 +10,8 @@ import httpx
 from fastapi import FastAPI
 
 from . import __version__
-from .api import containers, errors, files, messages, observability, protocol_v1, responses, runs
+from .api import (containers, errors, files, messages, observability, protocol_v1, responses,
+                  runs, runtime, threads)
 from .api.auth import TokenTable
 from .config import Settings
 from .gateway import Gateway
@@ -61,5 +62,7 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     app.include_router(runs.router)
     app.include_router(messages.router)
     app.include_router(responses.router)
+    app.include_router(runtime.router)
+    app.include_router(threads.router)
     app.add_middleware(observability.Edge)
     return app

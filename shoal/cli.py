@@ -71,6 +71,14 @@ def _runtime_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runtime_page(args: argparse.Namespace) -> int:
+    from .sandbox.catalog import page
+    from .sandbox.runtime import python_version
+
+    sys.stdout.write(page(python_version()))
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     from .server import startup_problems
 
@@ -108,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     build = runtime_commands.add_parser("build", help="build the pinned runtime if missing")
     _add_setting_flags(build)
     build.set_defaults(handler=_runtime_build)
+    page = runtime_commands.add_parser("page", help="print docs/runtime.md: the libraries "
+                                                    "and commands sandboxes offer")
+    page.set_defaults(handler=_runtime_page)
 
     check = commands.add_parser("check", help="say whether this host can isolate sandboxes")
     _add_setting_flags(check)

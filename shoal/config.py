@@ -65,6 +65,11 @@ class Settings(BaseSettings):
     container_sandbox_idle_seconds: float = Field(300.0, gt=0, description="An unused container's "
                                                   "sandbox is shut down after this long; its files stay.")
 
+    download_generated: bool = Field(True, description="Whether Zylon's thread endpoint "
+                                     "serves generated files (outputs/) for download.")
+    download_uploaded: bool = Field(True, description="Whether Zylon's thread endpoint "
+                                    "serves uploaded files (uploads/) for download.")
+
     # -- execution -------------------------------------------------------------
     default_timeout_seconds: int = Field(60, ge=1, description="Timeout of a call that names none.")
     max_timeout_seconds: int = Field(300, ge=1, description="Ceiling a call's timeout is clamped to.")
@@ -103,6 +108,23 @@ class Settings(BaseSettings):
     response_retention_seconds: int = Field(7 * 86400, ge=60, description="How long stored "
                                             "/v1/responses objects stay readable (for "
                                             "previous_response_id).")
+
+    # -- egress: what sandboxes may reach, through the host's broker -------------------
+    egress_allow: str = Field("", description="Where any sandbox may connect, through the "
+                              "host's proxy: 'host' (ports 80, 443), 'host:port', '*.suffix', "
+                              "an IP, or a CIDR, comma-separated. Private, loopback and "
+                              "link-local addresses only where named literally. A container's "
+                              "network_policy can only narrow it. Empty: nothing.")
+    egress_max_connections: int = Field(32, ge=1, description="Connections one sandbox may "
+                                        "hold open through the proxy at once.")
+    model_access: bool = Field(True, description="Whether code run by /v1/messages and "
+                               "/v1/responses may call the model API itself (with a short-"
+                               "lived token of the request's tenant; the operator's key stays "
+                               "on the host). Needs an upstream.")
+    model_token_seconds: int = Field(900, ge=1, description="How long a sandbox's model "
+                                     "token lasts.")
+    model_token_requests: int = Field(50, ge=1, description="How many model API requests one "
+                                      "sandbox token allows.")
 
     # -- the sandbox -----------------------------------------------------------
     launcher: str = Field("zygote", pattern="^(bwrap|zygote)$",
@@ -150,6 +172,16 @@ class Settings(BaseSettings):
     @classmethod
     def _strip_modules(cls, value: str) -> str:
         return ",".join(part.strip() for part in value.split(",") if part.strip())
+
+    @property
+    def model_upstream(self) -> bool:
+        """Whether sandboxes get the model API (see model_access)."""
+        return self.model_access and bool(self.upstream_anthropic_url or self.upstream_openai_url)
+
+    @property
+    def egress_enabled(self) -> bool:
+        """Whether sandboxes get the relay and the broker at all."""
+        return bool(self.egress_allow.strip()) or self.model_upstream
 
     @property
     def preload(self) -> list[str]:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 from pathlib import Path
 
 import pytest
 
 from shoal.config import Settings
+from shoal.egress.broker import EgressBroker, Grant, new_socket_dir
+from shoal.egress.policy import Allowlist
+from shoal.egress.tokens import ModelTokens
 from shoal.sandbox import SandboxPool
 
 
@@ -30,10 +35,25 @@ def settings(tmp_path_factory) -> Settings:
 
 @pytest.fixture(scope="session")
 async def pool(settings):
+    """A pool of real sandboxes. With ``SHOAL_TEST_EGRESS=1`` (a pass of the
+    Makefile) every sandbox also has egress: the relay on its loopback, AF_INET
+    sockets, and a real broker on the host that grants each live sandbox
+    nothing (an empty allowlist), so the escape suites run with the way out that
+    egress adds in place."""
     pool = SandboxPool(settings)
+    broker = None
+    if os.environ.get("SHOAL_TEST_EGRESS") == "1":
+        broker = EgressBroker(
+            new_socket_dir(settings.run_dir), Allowlist(""),
+            lambda uid: Grant("tests", f"uid:{uid}") if pool.sandbox_of_uid(uid) else None,
+            ModelTokens(60, 1), None, secrets.token_urlsafe(16))
+        await broker.start()
+        pool.egress_dir = broker.socket_dir
     await pool.start()
     yield pool
     await pool.close()
+    if broker is not None:
+        await broker.close()
 
 
 @pytest.fixture

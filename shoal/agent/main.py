@@ -23,6 +23,7 @@ import threading
 import time
 
 from . import produced, tools
+from .relay import start_if_granted as start_egress_relay
 from .capture import OutputCapture
 from .editor import TextEditor
 from .protocol import CHANNEL_FD, FrameError, encode, recv_frame
@@ -69,6 +70,8 @@ class Agent:
     def serve(self) -> None:
         global _AGENT_PID
         _AGENT_PID = os.getpid()  # a zygote's fork is the agent: its pid, not the zygote's
+        # Egress, where granted: the relay listens before anything runs.
+        start_egress_relay()
         self.send({"type": "ready", "pid": os.getpid()})
         threading.Thread(target=self._read, name="shoal-channel-reader", daemon=True).start()
         while True:
@@ -139,6 +142,7 @@ class Agent:
             return {"return_code": 0}
         if op == "preload":
             return {"return_code": 0, "failed": self._python.preload(list(message["modules"]))}
+        _apply_env(message.get("env"))
         if op == "python":
             return self._captured(message, cap, lambda clock: self._run_python(message, clock))
         if op == "bash":
@@ -330,6 +334,19 @@ def _exit_if_forked_copy() -> None:
     when its code ends: it must never read or answer a call, so it ends here."""
     if os.getpid() != _AGENT_PID:
         os._exit(0)
+
+
+def _apply_env(env: object) -> None:
+    """Variables the host sets for this call and the ones after it (the model API's
+    base URL and token of the request that runs the code): in the interpreter's
+    environment, so Python, bash and Bun all see them."""
+    if not isinstance(env, dict):
+        return
+    for name, value in env.items():
+        if (isinstance(name, str) and isinstance(value, str) and name and len(name) < 128
+                and name.replace("_", "a").isalnum() and not name[0].isdigit()
+                and "\x00" not in value and len(value) < 8192):
+            os.environ[name] = value
 
 
 def _positive_int(value: object, default: int) -> int:

@@ -25,6 +25,7 @@ Standard library only, like the rest of the agent.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import gc
 import json
 import os
@@ -54,6 +55,9 @@ AT_FDCWD = -100
 HOME_TOKEN = "@home"
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
+
+_SIOCSIFFLAGS = 0x8914
+_IFF_UP, _IFF_LOOPBACK, _IFF_RUNNING = 0x1, 0x8, 0x40
 
 def _check(result: int, what: str) -> None:
     if result != 0:
@@ -204,6 +208,15 @@ def _close_fds_except(*keep: int) -> None:
 
 
 # -- the three processes of a sandbox ------------------------------------------------------------
+def _loopback_up() -> None:
+    """Bring up the new network namespace's loopback, its only interface, as
+    bubblewrap does: code may serve and call itself on 127.0.0.1, and the egress
+    relay listens there. Nothing else is configured, so nothing leads out."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        flags = _IFF_UP | _IFF_LOOPBACK | _IFF_RUNNING
+        fcntl.ioctl(probe, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags))
+
+
 def _outer(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     os.setsid()
@@ -215,6 +228,7 @@ def _outer(spec: dict, channel_fd: int, home_tree_fd: int) -> None:
     # namespace once the init's pivot_root has hidden everything else from it.
     _check(_libc.unshare(CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID
                          | CLONE_NEWCGROUP), "unshare")
+    _loopback_up()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     child = os.fork()
     if child == 0:

@@ -134,7 +134,10 @@ async def tenant_of(request: Request,
                     _: HTTPAuthorizationCredentials | None = Security(_SCHEME)) -> str:
     """FastAPI dependency: the caller's tenant, or 401."""
     table: TokenTable = request.app.state.tokens
-    if not table.enabled:
+    internal = _internal_tenant(request)
+    if internal is not None:
+        tenant = internal
+    elif not table.enabled:
         tenant = OPEN_TENANT
     else:
         token = bearer_token(request)
@@ -148,6 +151,19 @@ async def tenant_of(request: Request,
     if context is not None:
         context["tenant"] = tenant
     return tenant
+
+
+def _internal_tenant(request: Request) -> str | None:
+    """The tenant of a request the egress broker forwarded for a sandbox's code (after
+    checking its model token), or None. Only the broker knows the secret."""
+    secret = request.headers.get("x-shoal-internal")
+    if secret is None:
+        return None
+    expected = request.app.state.manager.internal_secret
+    if not hmac.compare_digest(secret.encode(), expected.encode()):
+        return None
+    tenant = request.headers.get("x-shoal-tenant")
+    return tenant or None
 
 
 def _rejected(request: Request, token: str) -> None:

@@ -18,6 +18,8 @@ from shoal.runs import public_file_id
 from shoal.sandbox.files import SandboxPath
 from shoal.sandbox.mounts import OPENAI_DATA, OUTPUTS, UPLOADS
 from shoal.sessions import ContainerFile, SessionManager
+from shoal.sessions.network import (InvalidNetworkPolicy, check_network_policy,
+                                    render_network_policy)
 from shoal.storage import ContainerRecord
 
 from ._bodies import read_json_object
@@ -37,7 +39,7 @@ def _manager(request: Request) -> SessionManager:
     return request.app.state.manager
 
 
-def render_container(record: ContainerRecord) -> dict:
+def render_container(record: ContainerRecord, egress_allow: str) -> dict:
     return {
         "id": record.id,
         "object": "container",
@@ -51,8 +53,8 @@ def render_container(record: ContainerRecord) -> dict:
         # a gateway request, a v1 session) has none of its own and goes by its id.
         "name": record.name if record.name is not None else record.id,
         "implicit": record.implicit,
-        # Sandboxes have no network at all; there is no other policy to report.
-        "network_policy": {"type": "disabled"},
+        # Never a domain secret's value; no policy: what the operator allows.
+        "network_policy": render_network_policy(record, egress_allow),
     }
 
 
@@ -100,11 +102,8 @@ def _ordered(items: list, order: str) -> list:
 async def create_container(request: Request, tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
     body = await read_json_object(request, required=False)
-    name = body.get("name")
-    if name is None:
-        raise BadRequest(400, "Missing required parameter: 'name'.", param="name",
-                         code="missing_required_parameter")
-    if not isinstance(name, str):
+    name = body.get("name")  # optional in Caronte's API; OpenAI's SDK always sends one
+    if name is not None and not isinstance(name, str):
         raise BadRequest(422, "name must be a string", param="name")
     expires_after = body.get("expires_after") or {}
     if not isinstance(expires_after, dict):
@@ -115,18 +114,18 @@ async def create_container(request: Request, tenant: str = Depends(tenant_of)) -
     file_ids = body.get("file_ids") or []
     if not isinstance(file_ids, list) or not all(isinstance(f, str) for f in file_ids):
         raise BadRequest(422, "file_ids must be a list of file ids")
-    policy = body.get("network_policy")
-    if policy is not None and policy != {"type": "disabled"}:
-        raise BadRequest(422, "sandboxes have no network: network_policy can only be "
-                              "{\"type\": \"disabled\"}")
+    try:
+        policy = check_network_policy(body.get("network_policy"))
+    except InvalidNetworkPolicy as exc:
+        raise BadRequest(400, str(exc), param="network_policy") from None
     memory_limit = manager.containers.check_memory_limit(body.get("memory_limit"))
     uploads = [await manager.uploads.get(tenant, file_id) for file_id in file_ids]
     record = await manager.containers.create(tenant, name=name,
                                              minutes=expires_after.get("minutes"),
-                                             memory_limit=memory_limit)
+                                             memory_limit=memory_limit, network_policy=policy)
     for upload in uploads:
         await _attach_upload(manager, tenant, record, upload.id)
-    return json_response(render_container(record))
+    return json_response(render_container(record, manager.settings.egress_allow))
 
 
 @router.get("", summary="List containers",
@@ -141,7 +140,9 @@ async def list_containers(request: Request, limit: int = Query(20), after: str |
         records = [record for record in records if record.name == name]
     records = _ordered(records, order)
     page = paginate(records, lambda r: r.id, limit, after)
-    return json_response(_list_body([render_container(r) for r in page.items], page.has_more))
+    egress_allow = _manager(request).settings.egress_allow
+    return json_response(_list_body([render_container(r, egress_allow) for r in page.items],
+                                    page.has_more))
 
 
 @router.get("/{container_id}", summary="Retrieve a container",
@@ -149,7 +150,9 @@ async def list_containers(request: Request, limit: int = Query(20), after: str |
                        200: {"model": Container, "description": "The container"}})
 async def get_container(container_id: str, request: Request,
                         tenant: str = Depends(tenant_of)) -> Response:
-    return json_response(render_container(await _manager(request).containers.get(tenant, container_id)))
+    manager = _manager(request)
+    return json_response(render_container(await manager.containers.get(tenant, container_id),
+                                          manager.settings.egress_allow))
 
 
 @router.delete("/{container_id}", summary="Delete a container and its files",
@@ -177,7 +180,7 @@ async def create_file(container_id: str, request: Request,
     manager = _manager(request)
     record = await manager.containers.get(tenant, container_id)
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
-        upload, _ = await read_upload(request, manager.settings.max_file_bytes)
+        upload, _ = await read_upload(request, manager.settings.max_file_bytes, too_large=400)
         try:
             name = upload_file_name(upload.filename)
             item = await manager.container_files.put(record, SandboxPath(UPLOADS, (name,)),

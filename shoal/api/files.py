@@ -110,7 +110,10 @@ def render_upload(record: UploadRecord, anthropic: bool) -> dict:
 async def upload(request: Request, scope_id: str | None = Query(None),
                  path: str | None = Query(None), tenant: str = Depends(tenant_of)) -> Response:
     manager = _manager(request)
-    upload_file, fields = await read_upload(request, manager.settings.max_file_bytes)
+    # Caronte's (OpenAI's) tenant uploads refuse an oversized file with a 400.
+    openai = scope_id is None and not _anthropic(request)
+    upload_file, fields = await read_upload(request, manager.settings.max_file_bytes,
+                                            too_large=400 if openai else 413)
     try:
         if scope_id is None:
             purpose = fields.get("purpose")
@@ -122,23 +125,24 @@ async def upload(request: Request, scope_id: str | None = Query(None),
             # OpenAI answers a created file with 200; so do we, for its SDK.
             return json_response(render_upload(record, _anthropic(request)), 200)
         key = path or fields.get("path") or upload_file_name(upload_file.filename)
-        target = path_for_key(key)
-        container = await _container(request, tenant, scope_id, create=True)
-        item = await manager.container_files.put(container, target, upload_file.file)
+        item = await put_scoped(request, tenant, scope_id, key, upload_file.file)
     finally:
         await upload_file.close()
     return json_response(render_container_file(item, scope_id), 201)
 
 
-@router.put("/{key:path}", status_code=201, summary="Put raw bytes at a key in a container",
-            responses={**FILES_ERRORS,
-                       201: {"model": ScopedFile, "description": "The file, in the container"}},
-            openapi_extra=request_body(binary=True, description="The file's bytes, of any type"))
-async def put_key(key: str, request: Request, scope_id: str = Query(...),
-                  tenant: str = Depends(tenant_of)) -> Response:
-    manager = _manager(request)
+async def put_scoped(request: Request, tenant: str, scope_id: str, key: str,
+                     source) -> ContainerFile:
+    """Zylon's upload: ``key`` under the container's uploads, the container made if new."""
     target = path_for_key(key)
-    limit = manager.settings.max_file_bytes
+    container = await _container(request, tenant, scope_id, create=True)
+    return await _manager(request).container_files.put(container, target, source)
+
+
+async def put_scoped_body(request: Request, tenant: str, scope_id: str, key: str) -> ContainerFile:
+    """Zylon's raw put: the request's body, capped while it streams in, at ``key``."""
+    limit = _manager(request).settings.max_file_bytes
+    path_for_key(key)  # a bad key is refused before the body is read
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BadRequest(413, f"body is larger than the {limit}-byte cap")
@@ -150,8 +154,16 @@ async def put_key(key: str, request: Request, scope_id: str = Query(...),
                 raise BadRequest(413, f"body is larger than the {limit}-byte cap")
             spool.write(chunk)
         spool.seek(0)
-        container = await _container(request, tenant, scope_id, create=True)
-        item = await manager.container_files.put(container, target, spool)
+        return await put_scoped(request, tenant, scope_id, key, spool)
+
+
+@router.put("/{key:path}", status_code=201, summary="Put raw bytes at a key in a container",
+            responses={**FILES_ERRORS,
+                       201: {"model": ScopedFile, "description": "The file, in the container"}},
+            openapi_extra=request_body(binary=True, description="The file's bytes, of any type"))
+async def put_key(key: str, request: Request, scope_id: str = Query(...),
+                  tenant: str = Depends(tenant_of)) -> Response:
+    item = await put_scoped_body(request, tenant, scope_id, key)
     return json_response(render_container_file(item, scope_id), 201)
 
 
@@ -265,8 +277,18 @@ async def download(file_id: str, request: Request, scope_id: str | None = Query(
             return await file_response(handle, size, item.filename, item.mime_type, inline)
         record, handle, size = await manager.uploads.open(tenant, file_id)
         return await file_response(handle, size, record.filename, record.mime_type, inline)
+    return await download_scoped(request, tenant, scope_id, file_id, inline)
+
+
+async def download_scoped(request: Request, tenant: str, scope_id: str, file_id: str,
+                          inline: bool = False, refusal=lambda item: None) -> Response:
+    """A container file's bytes, unless ``refusal(item)`` names why not (a 403)."""
     container = await _container(request, tenant, scope_id, create=False)
-    item, handle, size = await manager.container_files.open(container, file_id)
+    item, handle, size = await _manager(request).container_files.open(container, file_id)
+    reason = refusal(item)
+    if reason is not None:
+        handle.close()
+        raise BadRequest(403, reason)
     return await file_response(handle, size, item.filename, item.mime_type, inline)
 
 

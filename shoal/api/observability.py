@@ -148,6 +148,28 @@ class _LiveCollector:
         yield sessions
         yield seconds
         yield calls
+        yield from self._egress()
+
+    def _egress(self):
+        broker = self.manager.egress
+        if broker is None:
+            return
+        # Per container while one of its sandboxes lives: bounded by max_sessions.
+        live = broker.live_scopes(self.manager.pool.live_sandboxes())
+        moved = CounterMetricFamily("shoal_egress_bytes", "Bytes through the egress proxy, "
+                                    "by container and direction", labels=["container", "direction"])
+        opened = CounterMetricFamily("shoal_egress_connections", "Proxy connections a "
+                                     "container's sandboxes opened", labels=["container"])
+        refused = CounterMetricFamily("shoal_egress_refused", "Proxy requests the policy "
+                                      "refused", labels=["container"])
+        for scope, traffic in broker.traffic_of(live):
+            moved.add_metric([scope, "out"], traffic.bytes_out)
+            moved.add_metric([scope, "in"], traffic.bytes_in)
+            opened.add_metric([scope], traffic.connections)
+            refused.add_metric([scope], traffic.refused)
+        yield moved
+        yield opened
+        yield refused
 
 
 def readiness(manager, draining: bool) -> list[tuple[str, str]]:

@@ -335,6 +335,51 @@ class ScopedFileList(Wire):
     has_more: bool
 
 
+class RuntimeLibrary(Wire):
+    name: str
+    version: str
+    promised: bool = Field(description="Named by a gateway document as installed")
+    import_: str | None = Field(None, alias="import", description="The module to import")
+
+
+class RuntimePython(Wire):
+    version: str | None
+    libraries: list[RuntimeLibrary]
+
+
+class RuntimeJavaScript(Wire):
+    runtime: Literal["bun"]
+    version: str
+    packages: list[str]
+    note: str
+
+
+class RuntimeTool(Wire):
+    command: str
+    package: str | None
+    purpose: str
+    path: str | None
+    available: bool = Field(description="False where this host's build left it out")
+
+
+class RuntimeNetwork(Wire):
+    egress: bool = Field(description="Whether the sandbox has a proxy to what the operator "
+                                     "allows (HTTP(S)_PROXY)")
+    model_api: bool = Field(description="Whether code run by the gateway may call the model "
+                                        "(ANTHROPIC_BASE_URL, OPENAI_BASE_URL)")
+
+
+class RuntimeDescription(Wire):
+    """What code in a sandbox can use (``GET /v1/runtime``)."""
+
+    object: Literal["runtime"]
+    python: RuntimePython
+    javascript: RuntimeJavaScript
+    tools: list[RuntimeTool]
+    paths: dict[str, str]
+    network: RuntimeNetwork
+
+
 class FileDeleted(Wire):
     id: str
     type: Literal["file_deleted"]
@@ -406,7 +451,10 @@ class ExpiresAfter(Wire):
 
 
 class NetworkPolicy(Wire):
-    type: Literal["disabled"] = Field(description="Sandboxes have no network")
+    type: Literal["disabled", "allowlist"] = Field(
+        description="disabled: no egress; allowlist: the domains the container may reach "
+                    "(within what the operator allows)")
+    allowed_domains: list[str] | None = None
 
 
 class Container(Wire):

@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
+from shoal.egress.tokens import ModelAccess
 from shoal.runs import Run, RunManager, RunRequest
 
 from .upstream import Timing
@@ -85,7 +86,9 @@ class Adapter(Protocol):
 
 class ToolLoop:
     def __init__(self, adapter: Adapter, runs: RunManager, tenant: str,
-                 max_round_trips: int) -> None:
+                 max_round_trips: int, model: ModelAccess | None = None) -> None:
+        # The request's model API, for the code it runs (shoal.egress.tokens).
+        self.model = model
         self.adapter = adapter
         self.runs = runs
         self.tenant = tenant
@@ -152,6 +155,8 @@ class ToolLoop:
                 yield event  # refused before running: the adapter's own failure
             return
         self.executions += 1
+        if self.model is not None:
+            request.model = self.model
         run = await self.runs.start(self.tenant, request)
         async for event in self._wait(run, use):
             yield event

@@ -30,6 +30,7 @@ from shoal.runs import Run, RunRequest, normalise_tool
 from shoal.runs.broker import InvalidTools
 from shoal.runs.manager import DEFAULT_TIMEOUT_MS, MAX_TIMEOUT_MS
 from shoal.sessions import ContainerFile
+from shoal.sessions.network import InvalidNetworkPolicy, check_network_policy
 from shoal.storage import ContainerRecord
 
 from .engine import Paused, ToolUse, Turn
@@ -105,10 +106,10 @@ def parse_request(body: dict) -> ResponsesRequest | None:
             if container.get("type", "auto") != "auto":
                 raise InvalidResponsesRequest("code_interpreter.container must be a container id "
                                               "or {\"type\": \"auto\"}", "tools")
-            policy = container.get("network_policy")
-            if policy not in (None, {"type": "disabled"}):
-                raise InvalidResponsesRequest("sandboxes have no network: network_policy can only "
-                                              "be {\"type\": \"disabled\"}", "tools")
+            try:
+                check_network_policy(container.get("network_policy"))
+            except InvalidNetworkPolicy as exc:
+                raise InvalidResponsesRequest(str(exc), "tools") from None
         elif not isinstance(container, str) or not container:
             raise InvalidResponsesRequest("code_interpreter.container must be a container id "
                                           "or {\"type\": \"auto\"}", "tools")

@@ -19,8 +19,10 @@ from typing import AsyncIterator
 import httpx
 
 from shoal.config import Settings, read_secret
+from shoal.egress.tokens import ModelAccess
 from shoal.runs import RunManager, UnknownRun
 from shoal.sessions import ContainerFile, SessionManager, UnknownContainer
+from shoal.sessions.network import check_network_policy
 from shoal.storage import ContainerRecord, ResponseRecord
 
 from . import anthropic, openai
@@ -59,6 +61,11 @@ class _PausedResponse:
 # Paused responses remembered by call id, for clients that answer with the full
 # input instead of previous_response_id; the oldest are forgotten first.
 _PAUSED_KEPT = 1024
+
+
+def _model_of(body: dict) -> str | None:
+    model = body.get("model")
+    return model if isinstance(model, str) and model else None
 
 
 class Gateway:
@@ -125,7 +132,9 @@ class Gateway:
             return containers.current(container).expires_at
 
         adapter = anthropic.AnthropicAdapter(request, upstream, container, history, headers, expiry)
-        return adapter, ToolLoop(adapter, self.runs, tenant, self.settings.gateway_max_round_trips)
+        model = ModelAccess("anthropic", _model_of(request.body), user if isinstance(user, str) else None)
+        return adapter, ToolLoop(adapter, self.runs, tenant, self.settings.gateway_max_round_trips,
+                                 model)
 
 
     # -- /v1/responses -------------------------------------------------------------------------
@@ -191,9 +200,10 @@ class Gateway:
                 # An auto container, made now, when the model first calls the tool
                 # (under the id the client was already shown), or anew if it expired.
                 spec = (marker or {}).get("container") or {}
-                record = await containers.create(tenant, current, name="code_interpreter",
-                                                 implicit=True,
-                                                 memory_limit=spec.get("memory_limit"))
+                record = await containers.create(
+                    tenant, current, name="code_interpreter", implicit=True,
+                    memory_limit=spec.get("memory_limit"),
+                    network_policy=check_network_policy(spec.get("network_policy")))
                 for file_id in spec.get("file_ids") or []:
                     upload, handle, _ = await self.sessions.uploads.open(tenant, file_id)
                     await self.sessions.container_files.attach_upload(record, upload, handle)
@@ -216,7 +226,10 @@ class Gateway:
                 return await asyncio.to_thread(handle.read)
 
         adapter = openai.OpenAIAdapter(request, upstream, conversation, container, read_file, headers)
-        loop = ToolLoop(adapter, self.runs, tenant, self.settings.gateway_max_round_trips)
+        user = request.body.get("user") or request.body.get("safety_identifier")
+        loop = ToolLoop(adapter, self.runs, tenant, self.settings.gateway_max_round_trips,
+                        ModelAccess("openai", _model_of(request.body),
+                                    user if isinstance(user, str) else None))
         return ResponsesSession(self, tenant, request, adapter, loop, resume)
 
     async def _resume(self, pending: _PausedResponse, answers: list[dict]) -> Paused | None:

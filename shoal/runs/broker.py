@@ -17,12 +17,13 @@ forged by the code, and then hands valid calls to one of two faces:
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit
+
+from shoal.egress.policy import Allowlist
 
 import httpx
 from jsonschema import exceptions as schema_exceptions
@@ -194,44 +195,8 @@ class ClientTools:
 
 
 # -- callbacks to operator-allowed hosts ----------------------------------------------------------
-class HostAllowlist:
-    """``host``, ``host:port``, ``*.suffix`` and CIDR entries naming where the host may call."""
-
-    def __init__(self, setting: str) -> None:
-        self._entries = [entry.strip().lower() for entry in setting.split(",") if entry.strip()]
-
-    def __bool__(self) -> bool:
-        return bool(self._entries)
-
-    def allows(self, host: str, port: int) -> bool:
-        host = host.lower().strip("[]")
-        for entry in self._entries:
-            pattern, entry_port = _split_port(entry)
-            if entry_port is not None and entry_port != port:
-                continue
-            if "/" in pattern:
-                try:
-                    if ipaddress.ip_address(host) in ipaddress.ip_network(pattern, strict=False):
-                        return True
-                except ValueError:
-                    continue
-            elif pattern.startswith("*."):
-                if host.endswith(pattern[1:]):
-                    return True
-            elif host == pattern:
-                return True
-        return False
-
-
-def _split_port(entry: str) -> tuple[str, int | None]:
-    if entry.startswith("["):
-        host, _, rest = entry[1:].partition("]")
-        return host, int(rest[1:]) if rest.startswith(":") and rest[1:].isdigit() else None
-    if entry.count(":") == 1:
-        host, _, port = entry.partition(":")
-        if port.isdigit():
-            return host, int(port)
-    return entry, None
+# The same entries, and the same matching, as the sandbox's egress allowlist.
+HostAllowlist = Allowlist
 
 
 def check_callback_url(url: object, allowlist: HostAllowlist) -> str:

@@ -29,6 +29,8 @@ from shoal.sandbox.mounts import OUTPUTS, WORKSPACE
 from shoal.sessions import AtCapacity, ContainerFile, SandboxClosed, SessionManager
 from shoal.storage import ContainerRecord, RunRecord
 
+from shoal.egress.tokens import ModelAccess, model_env
+
 from .broker import ClientTools, Grant, PendingCall, ToolSpec
 from .events import Event, EventLog
 
@@ -74,6 +76,9 @@ class RunRequest:
     edit: dict | None = None
     caronte_files: bool = True
     restart: bool = False
+    # The gateway request this code runs for (dialect, model, user): its code may
+    # call the model API with a token of the request's tenant (shoal.egress.tokens).
+    model: ModelAccess | None = None
 
 
 @dataclass(eq=False)
@@ -319,6 +324,12 @@ class RunManager:
         run.sandbox = sandbox
         sandbox.owner = {"tenant": run.tenant, "run": run.id,
                          **({"container": container.id} if container is not None else {})}
+        scope = container.id if container is not None else f"run:{run.id}"
+        env = {}
+        if run.request.model is not None and self.settings.model_upstream:
+            token = sessions.model_tokens.issue(run.tenant, scope, run.request.model.user)
+            env = model_env(run.request.model, token)
+        sessions.grant_egress(sandbox, run.tenant, container, scope, env)
         try:
             request = run.request
             caronte = request.caronte_files and container is not None

@@ -57,6 +57,8 @@ class LaunchConfig:
     max_open_files: int = 4096
     # When set, sandboxes are forked from the zygote instead of started by bwrap.
     zygote: Zygote | None = None
+    # Where egress is granted: the broker's socket directory, bound into each sandbox.
+    egress_dir: Path | None = None
 
     @property
     def open_files(self) -> int:
@@ -97,7 +99,7 @@ def command_line(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
         SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
         "--inh-caps=-all", "--",
         BWRAP, *bwrap_arguments(home, config.runtime, config.agent_root,
-                                config.tmp_size_bytes, seccomp_fd),
+                                config.tmp_size_bytes, seccomp_fd, config.egress_dir),
         "--", f"{RUNTIME}/bin/python3", "-I", "-c", _BOOT, str(channel_fd),
     ]
 
@@ -113,10 +115,11 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
     try:
         if config.zygote is not None:
             spec = spawn_spec(home, uid, cgroup.procs_files, config.tmp_size_bytes,
-                              config.open_files, config.nproc)
+                              config.open_files, config.nproc,
+                              egress=config.egress_dir is not None)
             outer_pid = await config.zygote.spawn(spec, sandbox_end.fileno(), home.root)
         else:
-            seccomp_fd = seccomp.write_filter_fd()
+            seccomp_fd = seccomp.write_filter_fd(inet=config.egress_dir is not None)
             try:
                 os.set_inheritable(sandbox_end.fileno(), True)
                 argv = command_line(config, home, uid, cgroup, sandbox_end.fileno(), seccomp_fd)

@@ -24,6 +24,10 @@ OPENAI_DATA = "/mnt/data"
 SKILLS = "/mnt/skills"
 RUNTIME = "/opt/shoal/runtime"
 AGENT_ROOT = "/opt/shoal/agent"
+# Where egress is granted: the host broker's socket, bound in read-only (shoal.egress),
+# and the relay the agent runs on the sandbox's loopback.
+EGRESS_DIR = "/run/shoal-egress"
+RELAY = "http://127.0.0.1:3128"
 
 # /proc files that describe the whole host's block devices: every loop volume's
 # size and I/O, so one tenant could watch another's writes. Masked with /dev/null.
@@ -34,6 +38,9 @@ _ETC_ENTRIES = (
     "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "alternatives",
     "nsswitch.conf", "mime.types", "os-release", "debian_version", "bash.bashrc",
     "inputrc", "protocols", "services", "magic", "magic.mime", "fonts",
+    # The public CA bundle (curl, git and OpenSSL through the egress proxy), and
+    # the JVM's configuration (tabula's Java needs java.security to start).
+    "ssl/certs", "ca-certificates", "ca-certificates.conf", "java-*-openjdk",
 )
 
 SANDBOX_ENV = {
@@ -59,6 +66,16 @@ SANDBOX_ENV = {
     # arena's first pages are private memory in every sandbox.
     "MALLOC_ARENA_MAX": "1",
 }
+
+
+def egress_env() -> dict[str, str]:
+    """What points the sandbox's clients (Python, curl, git, Node, Bun) at the relay."""
+    env = {}
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        env[name] = env[name.lower()] = RELAY
+    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    env["NODE_OPTIONS"] = f"--require {AGENT_ROOT}/shoal_agent/node_egress.js"
+    return env
 
 
 @dataclass(frozen=True)
@@ -133,11 +150,12 @@ class SandboxHome:
 
 def etc_entries() -> list[Path]:
     """The host /etc entries every sandbox sees, read-only."""
-    return [Path("/etc") / entry for entry in _ETC_ENTRIES if (Path("/etc") / entry).exists()]
+    return sorted({path for entry in _ETC_ENTRIES for path in Path("/etc").glob(entry)})
 
 
 def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,
-                    tmp_size_bytes: int, seccomp_fd: int) -> list[str]:
+                    tmp_size_bytes: int, seccomp_fd: int,
+                    egress_dir: Path | None = None) -> list[str]:
     args = [
         "--unshare-all", "--unshare-user", "--disable-userns",
         "--die-with-parent", "--new-session",
@@ -172,12 +190,16 @@ def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,
         "--ro-bind", str(home.external), EXTERNAL,
     ]
     args += ["--ro-bind", str(home.skills), SKILLS]
+    env = dict(SANDBOX_ENV)
+    if egress_dir is not None:
+        args += ["--ro-bind", str(egress_dir), EGRESS_DIR]
+        env.update(egress_env())
     args += [
         "--remount-ro", "/",
         "--chdir", WORKSPACE,
         "--clearenv",
     ]
-    for name, value in SANDBOX_ENV.items():
+    for name, value in env.items():
         args += ["--setenv", name, value]
     args += ["--seccomp", str(seccomp_fd)]
     return args

@@ -62,6 +62,8 @@ class SandboxPool:
         self.last_failure: str | None = None
         self.stats = SandboxStats()
         self._runtime_hold: int | None = None
+        # Set before start() where egress is granted: the broker's socket directory.
+        self.egress_dir: Path | None = None
         self._refill_task: asyncio.Task | None = None
         self._warming: set[asyncio.Task] = set()
         self._wakeup = asyncio.Event()
@@ -96,7 +98,8 @@ class SandboxPool:
         agent_root = self._install_agent()
         self._config = LaunchConfig(runtime=runtime, agent_root=agent_root,
                                     tmp_size_bytes=self.settings.tmp_size_mib * MiB,
-                                    pids_limit=self.settings.pids_limit)
+                                    pids_limit=self.settings.pids_limit,
+                                    egress_dir=self.egress_dir)
         self._sandboxes_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         first = None
         if self.settings.launcher == "zygote":
@@ -123,7 +126,7 @@ class SandboxPool:
             log.warning("the zygote launcher cannot run on this host (%s): sandboxes start with "
                         "bubblewrap", "; ".join(found))
             return None
-        zygote = Zygote(runtime, agent_root, self.settings.preload)
+        zygote = Zygote(runtime, agent_root, self.settings.preload, self.egress_dir)
         try:
             await zygote.start()
             self._zygote = zygote
@@ -226,6 +229,16 @@ class SandboxPool:
     @property
     def ready_count(self) -> int:
         return len(self._ready)
+
+    def live_sandboxes(self) -> list[Sandbox]:
+        return list(self._live)
+
+    def sandbox_of_uid(self, uid: int) -> Sandbox | None:
+        """The live sandbox running as ``uid`` (each has a uid of its own)."""
+        for sandbox in self._live:
+            if sandbox.uid == uid:
+                return sandbox
+        return None
 
     @property
     def free_uids(self) -> int:

@@ -104,6 +104,10 @@ class Sandbox:
         # Who uses the sandbox now, for logs and usage: tenant, session, container
         # (set by the layer that leased it).
         self.owner: dict[str, str] = {}
+        # Where egress is granted: what the broker lets this sandbox reach
+        # (shoal.egress.broker.Grant), and variables set for every call.
+        self.egress_grant = None
+        self.call_env: dict[str, str] = {}
 
     # -- the public calls -----------------------------------------------------
     async def run_python(self, code: str, timeout: float | None = None,
@@ -184,6 +188,8 @@ class Sandbox:
             message["tool_wait"] = tools.wait_limit
         if external_files:
             message["external_files"] = True
+        if self.call_env:
+            message["env"] = dict(self.call_env)
         collector = _Collector(settings.output_cap_bytes, on_output)
         async with self._lock:
             if self._closed:

@@ -131,6 +131,8 @@ _CLONE_NS_FLAGS = (
 )
 
 _AF_UNIX = 1
+_AF_INET = 2
+_AF_INET6 = 10
 _PER_LINUX = 0x0
 _PER_QUERY = 0xFFFFFFFF
 _TIOCSTI = 0x5412
@@ -395,7 +397,7 @@ def _if_nr(nr: int, body: list[_Insn]) -> list[_Insn]:
     return [_jump(_BPF_JMP | _BPF_JEQ | _BPF_K, nr, 0, len(body))] + body
 
 
-def _program(arch: _Arch) -> list[_Insn]:
+def _program(arch: _Arch, inet: bool = False) -> list[_Insn]:
     nrs = arch.syscalls
     prog: list[_Insn] = []
 
@@ -438,7 +440,20 @@ def _program(arch: _Arch) -> list[_Insn]:
 
     # 6. socket/socketpair: only AF_UNIX (domain is arg0). No network, no
     #    netlink, no packet sockets even if a namespace were misconfigured.
+    #    Where egress is granted, socket() may also make AF_INET and AF_INET6
+    #    sockets, for the relay on 127.0.0.1 and its clients: the network
+    #    namespace still holds only its loopback, so they reach nothing else.
     for name in ("socket", "socketpair"):
+        if inet and name == "socket":
+            prog += _if_nr(nrs[name], [
+                _load(_off_arg_lo(0)),
+                _jump(_BPF_JMP | _BPF_JEQ | _BPF_K, _AF_UNIX, 2, 0),
+                _jump(_BPF_JMP | _BPF_JEQ | _BPF_K, _AF_INET, 1, 0),
+                _jump(_BPF_JMP | _BPF_JEQ | _BPF_K, _AF_INET6, 0, 1),
+                _ret(_RET_ALLOW),
+                _ret(_errno(_EAFNOSUPPORT)),
+            ])
+            continue
         prog += _if_nr(nrs[name], [
             _load(_off_arg_lo(0)),
             _jump(_BPF_JMP | _BPF_JEQ | _BPF_K, _AF_UNIX, 0, 1),
@@ -481,30 +496,30 @@ def _program(arch: _Arch) -> list[_Insn]:
 
 
 @functools.cache
-def _build(machine: str) -> bytes:
+def _build(machine: str, inet: bool = False) -> bytes:
     arch = _ARCHES.get(machine)
     if arch is None:
         supported = ", ".join(sorted(_ARCHES))
         raise UnsupportedArchitecture(
             f"no seccomp policy for machine {machine!r}; supported: {supported}"
         )
-    prog = _program(arch)
+    prog = _program(arch, inet)
     if len(prog) > _BPF_MAXINSNS:  # pragma: no cover - policy is far smaller
         raise ValueError(f"seccomp program too long: {len(prog)} instructions")
     return b"".join(_INSN.pack(*insn) for insn in prog)
 
 
-def build_filter(machine: str | None = None) -> bytes:
+def build_filter(machine: str | None = None, inet: bool = False) -> bytes:
     """Return the seccomp program as a raw ``struct sock_filter`` array.
 
     ``machine`` is a ``platform.machine()`` value (default: this machine).
     Raises :class:`UnsupportedArchitecture` for anything but ``x86_64`` and
     ``aarch64``. The result is cached per machine.
     """
-    return _build(platform.machine() if machine is None else machine)
+    return _build(platform.machine() if machine is None else machine, inet)
 
 
-def write_filter_fd() -> int:
+def write_filter_fd(inet: bool = False) -> int:
     """Write the program for this machine into a memfd and return its fd.
 
     The fd is close-on-exec, sealed against modification and positioned at
@@ -512,7 +527,7 @@ def write_filter_fd() -> int:
     ``--seccomp FD``. bwrap reads it to EOF, which moves the shared offset,
     so use a fresh fd for each launch and close it afterwards.
     """
-    data = build_filter()
+    data = build_filter(inet=inet)
     fd = os.memfd_create("shoal-seccomp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         view = memoryview(data)

@@ -21,7 +21,7 @@ from pathlib import Path
 from . import seccomp
 from .mounts import (AGENT_ROOT, EXTERNAL, OPENAI_DATA, OUTPUTS, RUNTIME, SANDBOX_ENV, SKILLS, UPLOADS,
                      WORKSPACE, SandboxHome)
-from .mounts import MASKED_PROC, etc_entries
+from .mounts import EGRESS_DIR, MASKED_PROC, egress_env, etc_entries
 
 READY_TIMEOUT_SECONDS = 120.0
 # The zygote's own root, built from nothing in its private mount namespace: only
@@ -30,8 +30,8 @@ READY_TIMEOUT_SECONDS = 120.0
 # no copy of any host mount: no other server's volume stays pinned by it.
 _SCRIPT = r"""
 set -eu
-runtime=$1 agent=$2 fd=$3 preload=$4 etc=$5 devices=$6
-shift 6
+runtime=$1 agent=$2 fd=$3 preload=$4 etc=$5 devices=$6 egress=$7
+shift 7
 root=/tmp
 mount -t tmpfs -o mode=0755,size=16m shoal-zygote "$root"
 cd "$root"
@@ -51,6 +51,10 @@ for name in $devices; do
     : > "dev/$name"
     mount --bind "/dev/$name" "dev/$name"
 done
+if [ "$egress" != - ]; then
+    mkdir -p run/shoal-egress
+    mount --bind "$egress" run/shoal-egress
+fi
 ln -s usr/lib lib
 ln -s usr/lib64 lib64
 ln -s usr/bin bin
@@ -77,7 +81,9 @@ class ZygoteFailed(RuntimeError):
 
 
 class Zygote:
-    def __init__(self, runtime: Path, agent_root: Path, preload: list[str]) -> None:
+    def __init__(self, runtime: Path, agent_root: Path, preload: list[str],
+                 egress_dir: Path | None = None) -> None:
+        self._egress_dir = egress_dir
         self._runtime = runtime
         self._agent_root = agent_root
         self._preload = preload
@@ -94,6 +100,7 @@ class Zygote:
                 "/bin/sh", "-c", _SCRIPT, "sh", str(self._runtime), str(self._agent_root),
                 str(zygote_end.fileno()), ",".join(self._preload),
                 " ".join(str(path) for path in etc_entries()), " ".join(DEVICES),
+                str(self._egress_dir) if self._egress_dir is not None else "-",
                 *(f"{name}={value}" for name, value in SANDBOX_ENV.items())]
         self._popen = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
@@ -174,7 +181,8 @@ def open_tree(path: Path) -> int:
     return fd
 
 
-def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], tmp_size_bytes: int, open_files: int, nproc: int) -> dict:
+def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], tmp_size_bytes: int,
+               open_files: int, nproc: int, egress: bool = False) -> dict:
     """The same manifest bwrap is given (see :mod:`.mounts`), for the zygote."""
     binds = [("/usr", "/usr", False)]
     binds += [(str(path), str(path), False) for path in etc_entries()]
@@ -189,6 +197,10 @@ def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], tmp_size_by
         ("@home/external", EXTERNAL, False),
         ("@home/skills", SKILLS, False),
     ]
+    env = dict(SANDBOX_ENV)
+    if egress:
+        binds.append((EGRESS_DIR, EGRESS_DIR, False))  # in the zygote's root (see _SCRIPT)
+        env.update(egress_env())
     directories: list[str] = []
     return {
         "root": "/opt/shoal/root",
@@ -201,8 +213,8 @@ def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], tmp_size_by
         "tmp_size": tmp_size_bytes,
         "nofile": open_files,
         "nproc": nproc,
-        "env": SANDBOX_ENV,
+        "env": env,
         "cwd": WORKSPACE,
         "masked": list(MASKED_PROC),
-        "seccomp": seccomp.build_filter().hex(),
+        "seccomp": seccomp.build_filter(inet=egress).hex(),
     }

@@ -91,7 +91,7 @@ class ContainerManager:
         """A memory tier this server grants, or InvalidContainer saying why not."""
         if memory_limit is None:
             return None
-        if memory_limit not in MEMORY_TIERS_MIB:
+        if not isinstance(memory_limit, str) or memory_limit not in MEMORY_TIERS_MIB:
             raise InvalidContainer("memory_limit must be one of 1g, 4g, 16g, 64g")
         if MEMORY_TIERS_MIB[memory_limit] > self.settings.max_memory_limit_mib:
             raise InvalidContainer(f"memory_limit {memory_limit} is above this server's ceiling "
@@ -100,7 +100,8 @@ class ContainerManager:
 
     async def create(self, tenant: str, container_id: str | None = None, name: str | None = None,
                      minutes: int | None = None, implicit: bool = False,
-                     memory_limit: str | None = None) -> ContainerRecord:
+                     memory_limit: str | None = None,
+                     network_policy: str | None = None) -> ContainerRecord:
         memory_limit = self.check_memory_limit(memory_limit)
         active = [r for r in await self.metadata.list_containers(tenant) if r.expires_at > time.time()]
         if len(active) >= self.settings.tenant_max_containers:
@@ -115,7 +116,8 @@ class ContainerManager:
         now = time.time()
         record = ContainerRecord(tenant=tenant, id=container_id, name=name, created_at=now,
                                  last_active_at=now, expires_after_minutes=self._check_minutes(minutes),
-                                 implicit=implicit, memory_limit=memory_limit)
+                                 implicit=implicit, memory_limit=memory_limit,
+                                 network_policy=network_policy)
         await self.metadata.put_container(record)
         self._records[(tenant, container_id)] = record
         return record

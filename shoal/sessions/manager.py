@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from typing import Callable
 
 from shoal.config import MiB, Settings
+from shoal.egress.broker import EgressBroker, Grant, new_socket_dir
+from shoal.egress.policy import Allowlist
+from shoal.egress.tokens import ModelTokens
 from shoal.sandbox import SandboxPool
 from shoal.storage import open_files, open_metadata
+
+from . import network
 
 from .container_files import ContainerFiles
 from .containers import ContainerManager, TenantQuotaExceeded
@@ -50,9 +56,24 @@ class SessionManager:
         # which knows how many tenants its tokens name).
         self.tenant_cap = settings.tenant_max_sessions or settings.max_sessions
         self._reaper: asyncio.Task | None = None
+        # Egress: the broker (where granted), the model tokens it checks, and the
+        # secret by which the gateway knows a request the broker forwarded.
+        self.egress: EgressBroker | None = None
+        self.model_tokens = ModelTokens(settings.model_token_seconds, settings.model_token_requests)
+        self.internal_secret = secrets.token_urlsafe(32)
 
     async def start(self) -> None:
         await self.metadata.open()
+        if self.settings.egress_enabled:
+            host = self.settings.host if self.settings.host not in ("0.0.0.0", "::", "") \
+                else "127.0.0.1"
+            self.egress = EgressBroker(
+                new_socket_dir(self.settings.run_dir),
+                Allowlist(self.settings.egress_allow), self._grant_of_uid, self.model_tokens,
+                (host, self.settings.port) if self.settings.model_upstream else None,
+                self.internal_secret, self.settings.egress_max_connections)
+            await self.egress.start()
+            self.pool.egress_dir = self.egress.socket_dir
         await self.pool.start()
         self._reaper = asyncio.create_task(self._reap_forever())
 
@@ -67,7 +88,21 @@ class SessionManager:
         await asyncio.gather(*(self._detach(s) for s in sessions), return_exceptions=True)
         await self.containers.close()
         await self.pool.close()
+        if self.egress is not None:
+            await self.egress.close()
         await self.metadata.close()
+
+    def grant_egress(self, sandbox, tenant: str, container, scope: str,
+                     env: dict[str, str] | None = None) -> None:
+        """What ``sandbox`` may reach while it works for ``tenant`` (and ``container``),
+        and the environment its calls get (domain secrets' placeholders, ``env``)."""
+        grant, secret_env = network.grant(tenant, container, scope)
+        sandbox.egress_grant = grant if self.egress is not None else None
+        sandbox.call_env = {**secret_env, **(env or {})} if self.egress is not None else {}
+
+    def _grant_of_uid(self, uid: int) -> Grant | None:
+        sandbox = self.pool.sandbox_of_uid(uid)
+        return getattr(sandbox, "egress_grant", None) if sandbox is not None else None
 
     async def cut_all(self, reason: str) -> int:
         """Stop every running call, sessions' and runs' alike (see SandboxPool.cut_all)."""
@@ -175,6 +210,8 @@ class SessionManager:
         )
         sandbox.owner = {"tenant": tenant, "session": session.id,
                          **({"container": container.id} if container is not None else {})}
+        self.grant_egress(sandbox, tenant, container,
+                          container.id if container is not None else f"session:{session.id}")
         self._sessions[session.id] = session
         return session
 

@@ -23,6 +23,9 @@ class ContainerRecord:
     status: str = "active"  # active | expired | deleted
     implicit: bool = False
     memory_limit: str | None = None
+    # The container's network_policy as given (JSON text), domain secrets included;
+    # None: the operator's egress allowlist as it is.
+    network_policy: str | None = None
 
     @property
     def expires_at(self) -> float:
@@ -95,6 +98,11 @@ class MetadataStore(abc.ABC):
     @abc.abstractmethod
     async def put_container(self, record: ContainerRecord) -> None:
         """Insert or replace."""
+
+    @abc.abstractmethod
+    async def create_container(self, record: ContainerRecord) -> bool:
+        """Insert ``record`` unless a container with its id exists; whether it was
+        inserted. Of two callers creating the same container, one gets True."""
 
     @abc.abstractmethod
     async def get_container(self, tenant: str, container_id: str) -> ContainerRecord | None: ...

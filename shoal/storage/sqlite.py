@@ -84,6 +84,10 @@ _MIGRATIONS = (
     );
     CREATE INDEX IF NOT EXISTS responses_age ON responses (created_at);
     """,
+    # 3: a container's network policy (egress allowlist, domain secrets), as JSON.
+    """
+    ALTER TABLE containers ADD COLUMN network_policy TEXT;
+    """,
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -112,13 +116,14 @@ def schema_problem(path: Path) -> str | None:
 
 
 _CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_after_minutes, "
-                      "status, implicit, memory_limit")
+                      "status, implicit, memory_limit, network_policy")
 
 
 def _container(row) -> ContainerRecord:
     return ContainerRecord(tenant=row[0], id=row[1], name=row[2], created_at=row[3],
                            last_active_at=row[4], expires_after_minutes=row[5], status=row[6],
-                           implicit=bool(row[7]), memory_limit=row[8])
+                           implicit=bool(row[7]), memory_limit=row[8],
+                           network_policy=row[9])
 
 
 def _file(row) -> FileRecord:
@@ -229,9 +234,19 @@ class SqliteMetadataStore(MetadataStore):
     # -- containers ------------------------------------------------------------
     async def put_container(self, record: ContainerRecord) -> None:
         await self._write(
-            f"INSERT OR REPLACE INTO containers ({_CONTAINER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)",
+            f"INSERT OR REPLACE INTO containers ({_CONTAINER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
             (record.tenant, record.id, record.name, record.created_at, record.last_active_at,
-             record.expires_after_minutes, record.status, int(record.implicit), record.memory_limit))
+             record.expires_after_minutes, record.status, int(record.implicit), record.memory_limit,
+             record.network_policy))
+
+    async def create_container(self, record: ContainerRecord) -> bool:
+        cursor = await self.db.execute(
+            f"INSERT OR IGNORE INTO containers ({_CONTAINER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (record.tenant, record.id, record.name, record.created_at, record.last_active_at,
+             record.expires_after_minutes, record.status, int(record.implicit), record.memory_limit,
+             record.network_policy))
+        await self.db.commit()
+        return cursor.rowcount == 1
 
     async def get_container(self, tenant: str, container_id: str) -> ContainerRecord | None:
         rows = await self._rows(f"SELECT {_CONTAINER_COLUMNS} FROM containers "

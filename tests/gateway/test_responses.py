@@ -977,11 +977,16 @@ def test_unknown_previous_response_is_not_found(upstream, openai_client):
 
 
 @pytest.mark.parametrize("tool", [
+    # An allowlist is a container's to have (tests/gateway/test_egress.py); one
+    # that names no domain is not an allowlist.
     {"type": "code_interpreter", "container": {"type": "auto", "network_policy": {
-        "type": "allowlist", "allowed_domains": ["example.com"]}}},
+        "type": "allowlist", "allowed_domains": []}}},
+    {"type": "code_interpreter", "container": {"type": "auto", "network_policy": {
+        "type": "open"}}},
     {"type": "code_interpreter", "container": 42},
     {"type": "caronte:code_execution", "allowed_tools": "lookup_price"},
-], ids=["network-allowlist", "container-not-an-id", "allowed-tools-not-a-list"])
+], ids=["network-allowlist-empty", "network-unknown-type", "container-not-an-id",
+        "allowed-tools-not-a-list"])
 def test_bad_tool_config_is_a_bad_request(upstream, openai_client, tool):
     with pytest.raises(openai.BadRequestError) as raised:
         openai_client.responses.create(model=MODEL, input="hi", tools=[PRICE_TOOL, tool])

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.egress_mode import EGRESS
+
 from shoal.config import Settings
 from shoal.sandbox import SandboxPool
 from shoal.sandbox.mounts import OUTPUTS, SANDBOX_ENV, WORKSPACE
@@ -114,6 +116,10 @@ async def test_inet_sockets_are_refused_by_the_kernel(sandbox):
         res["unix"] = attempt(socket.AF_UNIX, socket.SOCK_STREAM)
     """)
     assert res.pop("unix") == 0, "control: AF_UNIX sockets must still work"
+    if EGRESS:  # the relay's sockets: they exist, and reach only the sandbox's loopback
+        for name in ("inet_stream", "inet_dgram", "inet6_stream", "inet6_dgram"):
+            assert res.pop(name) == 0, name
+        assert res.pop("inet_raw") == errno.EPERM  # no CAP_NET_RAW
     for name, err in res.items():
         assert err == errno.EAFNOSUPPORT, f"socket {name}: kernel answered errno {err}"
 
@@ -124,6 +130,11 @@ async def test_bash_dev_tcp_is_refused(sandbox):
         "(exec 3<>/dev/tcp/127.0.0.1/80) && echo CONNECTED-TCP; "
         "(exec 3<>/dev/tcp/::1/80) && echo CONNECTED-TCP6; "
         "(exec 4<>/dev/udp/127.0.0.1/53) && echo CONNECTED-UDP; echo end")
+    if EGRESS:  # the sandbox's own loopback, where nothing listens on these ports
+        assert result.stdout == "CONNECTED-UDP\nend\n", result.stdout
+        for target in ("/dev/tcp/127.0.0.1/80", "/dev/tcp/::1/80"):
+            assert f"{target}: Connection refused" in result.stderr, result.stderr
+        return
     assert result.stdout == "end\n", result.stdout
     assert result.stderr.count("Address family not supported") >= 3, result.stderr
 
@@ -271,6 +282,8 @@ async def test_cannot_read_shadow_root_or_checkout(sandbox):
             except OSError as exc:
                 res[name] = exc.errno
     """)
+    if EGRESS:  # /run holds the broker's socket directory, and nothing else
+        assert res.pop("run") == "LISTED ['shoal-egress']"
     for name, outcome in res.items():
         assert outcome in (errno.ENOENT, errno.EACCES), f"{name} ({targets[name]}): {outcome}"
     bash = await sandbox.run_bash(f"cat /etc/shadow; ls /root; ls {CHECKOUT}; getent shadow")

@@ -1,0 +1,229 @@
+"""The shared metadata store for cluster mode: PostgreSQL, through asyncpg.
+
+Many front ends share one database, so what one acknowledges every other
+sees, and the database's transactions are the only coordination between
+them. The schema is the SQLite store's, step for step (:mod:`.sqlite`'s
+``_MIGRATIONS``, one version number for both), with PostgreSQL's types: a
+timestamp is ``DOUBLE PRECISION`` (PostgreSQL's ``REAL`` is 4 bytes and
+would round a Unix time to minutes).
+
+Each migration step runs in one transaction with its version under an
+advisory lock, so front ends starting together migrate once; a database a
+newer Shoal wrote is refused before anything is written.
+
+``create_container`` is an insert that fails on a duplicate key: of two
+front ends creating the same container, exactly one gets it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import asyncpg
+
+from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
+                       UploadRecord)
+# One schema, one version sequence, one mapping of rows to records, for both stores.
+from .sqlite import _MIGRATIONS, SCHEMA_VERSION, SchemaTooNew, _container, _file, _upload
+
+_LOCK_KEY = 0x5E0A1  # pg_advisory_xact_lock: one migrator at a time
+_VERSION_TABLE = "CREATE TABLE IF NOT EXISTS shoal_schema (version INTEGER NOT NULL)"
+_CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_after_minutes, "
+                      "status, implicit, memory_limit, network_policy")
+_FILE_COLUMNS = "tenant, container_id, path, created_at, size, source, etag"
+_UPLOAD_COLUMNS = "tenant, id, filename, size, created_at, purpose, mime_type, extra"
+
+
+def _postgres_step(sql: str) -> str:
+    return sql.replace(" REAL ", " DOUBLE PRECISION ")
+
+
+def _container_values(record: ContainerRecord) -> tuple:
+    return (record.tenant, record.id, record.name, record.created_at, record.last_active_at,
+            record.expires_after_minutes, record.status, int(record.implicit),
+            record.memory_limit, record.network_policy)
+
+
+class PostgresMetadataStore(MetadataStore):
+    def __init__(self, url: str, min_size: int = 1, max_size: int = 10) -> None:
+        self._url = url
+        self._sizes = (min_size, max_size)
+        self._pool: asyncpg.Pool | None = None
+
+    async def open(self) -> None:
+        self._pool = await asyncpg.create_pool(self._url, min_size=self._sizes[0],
+                                               max_size=self._sizes[1])
+        try:
+            await self._migrate()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _migrate(self) -> None:
+        async with self.pool.acquire() as db:
+            async with db.transaction():
+                await db.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_KEY)
+                await db.execute(_VERSION_TABLE)
+                version = await db.fetchval("SELECT max(version) FROM shoal_schema") or 0
+            if version > SCHEMA_VERSION:
+                raise SchemaTooNew(f"the database holds schema version {version}, written by a "
+                                   f"newer Shoal; this one knows up to {SCHEMA_VERSION}")
+            for step in range(version, SCHEMA_VERSION):
+                async with db.transaction():
+                    await db.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_KEY)
+                    done = await db.fetchval("SELECT max(version) FROM shoal_schema") or 0
+                    if done > step:
+                        continue  # another front end ran it while we waited
+                    await db.execute(_postgres_step(_MIGRATIONS[step]))
+                    await db.execute("INSERT INTO shoal_schema (version) VALUES ($1)", step + 1)
+
+    async def schema_version(self) -> int:
+        return await self.pool.fetchval("SELECT max(version) FROM shoal_schema") or 0
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise RuntimeError("the metadata store is not open")
+        return self._pool
+
+    # -- containers ------------------------------------------------------------
+    async def put_container(self, record: ContainerRecord) -> None:
+        await self.pool.execute(
+            f"INSERT INTO containers ({_CONTAINER_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10) "
+            "ON CONFLICT (tenant, id) DO UPDATE SET name = EXCLUDED.name, "
+            "created_at = EXCLUDED.created_at, last_active_at = EXCLUDED.last_active_at, "
+            "expires_after_minutes = EXCLUDED.expires_after_minutes, status = EXCLUDED.status, "
+            "implicit = EXCLUDED.implicit, memory_limit = EXCLUDED.memory_limit, "
+            "network_policy = EXCLUDED.network_policy", *_container_values(record))
+
+    async def create_container(self, record: ContainerRecord) -> bool:
+        """Insert ``record`` unless a container of that id exists: whether it did."""
+        status = await self.pool.execute(
+            f"INSERT INTO containers ({_CONTAINER_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10) "
+            "ON CONFLICT (tenant, id) DO NOTHING", *_container_values(record))
+        return status == "INSERT 0 1"
+
+    async def get_container(self, tenant: str, container_id: str) -> ContainerRecord | None:
+        row = await self.pool.fetchrow(f"SELECT {_CONTAINER_COLUMNS} FROM containers "
+                                       "WHERE tenant = $1 AND id = $2", tenant, container_id)
+        return _container(row) if row else None
+
+    async def list_containers(self, tenant: str, status: str = "active") -> list[ContainerRecord]:
+        rows = await self.pool.fetch(f"SELECT {_CONTAINER_COLUMNS} FROM containers WHERE "
+                                     "tenant = $1 AND status = $2 ORDER BY created_at, id",
+                                     tenant, status)
+        return [_container(row) for row in rows]
+
+    async def expired_containers(self, now: float) -> list[ContainerRecord]:
+        rows = await self.pool.fetch(f"SELECT {_CONTAINER_COLUMNS} FROM containers WHERE status = "
+                                     "'active' AND last_active_at + expires_after_minutes * 60 <= $1",
+                                     now)
+        return [_container(row) for row in rows]
+
+    # -- container files -----------------------------------------------------------
+    async def put_file(self, record: FileRecord) -> None:
+        await self.pool.execute(
+            f"INSERT INTO container_files ({_FILE_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7) "
+            "ON CONFLICT (tenant, container_id, path) DO UPDATE SET created_at = EXCLUDED.created_at, "
+            "size = EXCLUDED.size, source = EXCLUDED.source, etag = EXCLUDED.etag",
+            record.tenant, record.container_id, record.path, record.created_at, record.size,
+            record.source, record.etag)
+
+    async def get_file(self, tenant: str, container_id: str, path: str) -> FileRecord | None:
+        row = await self.pool.fetchrow(f"SELECT {_FILE_COLUMNS} FROM container_files WHERE "
+                                       "tenant = $1 AND container_id = $2 AND path = $3",
+                                       tenant, container_id, path)
+        return _file(row) if row else None
+
+    async def list_files(self, tenant: str, container_id: str) -> list[FileRecord]:
+        rows = await self.pool.fetch(f"SELECT {_FILE_COLUMNS} FROM container_files WHERE "
+                                     "tenant = $1 AND container_id = $2 ORDER BY created_at, path",
+                                     tenant, container_id)
+        return [_file(row) for row in rows]
+
+    async def delete_files(self, tenant: str, container_id: str, paths: list[str]) -> None:
+        await self.pool.execute("DELETE FROM container_files WHERE tenant = $1 AND "
+                                "container_id = $2 AND path = ANY($3::text[])",
+                                tenant, container_id, list(paths))
+
+    async def delete_container_files(self, tenant: str, container_id: str) -> None:
+        await self.pool.execute("DELETE FROM container_files WHERE tenant = $1 AND "
+                                "container_id = $2", tenant, container_id)
+
+    # -- tenant uploads --------------------------------------------------------------
+    async def put_upload(self, record: UploadRecord) -> None:
+        await self.pool.execute(
+            f"INSERT INTO uploads ({_UPLOAD_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8) "
+            "ON CONFLICT (tenant, id) DO UPDATE SET filename = EXCLUDED.filename, "
+            "size = EXCLUDED.size, created_at = EXCLUDED.created_at, purpose = EXCLUDED.purpose, "
+            "mime_type = EXCLUDED.mime_type, extra = EXCLUDED.extra",
+            record.tenant, record.id, record.filename, record.size, record.created_at,
+            record.purpose, record.mime_type, json.dumps(record.extra))
+
+    async def get_upload(self, tenant: str, upload_id: str) -> UploadRecord | None:
+        row = await self.pool.fetchrow(f"SELECT {_UPLOAD_COLUMNS} FROM uploads WHERE "
+                                       "tenant = $1 AND id = $2", tenant, upload_id)
+        return _upload(row) if row else None
+
+    async def list_uploads(self, tenant: str) -> list[UploadRecord]:
+        rows = await self.pool.fetch(f"SELECT {_UPLOAD_COLUMNS} FROM uploads WHERE tenant = $1 "
+                                     "ORDER BY created_at, id", tenant)
+        return [_upload(row) for row in rows]
+
+    async def delete_upload(self, tenant: str, upload_id: str) -> None:
+        await self.pool.execute("DELETE FROM uploads WHERE tenant = $1 AND id = $2",
+                                tenant, upload_id)
+
+    # -- runs --------------------------------------------------------------------------
+    async def put_run(self, record: RunRecord) -> None:
+        await self.pool.execute(
+            "INSERT INTO runs (tenant, id, container_id, status, created_at, body) "
+            "VALUES ($1,$2,$3,$4,$5,$6) ON CONFLICT (tenant, id) DO UPDATE SET "
+            "container_id = EXCLUDED.container_id, status = EXCLUDED.status, "
+            "created_at = EXCLUDED.created_at, body = EXCLUDED.body",
+            record.tenant, record.id, record.container_id, record.status, record.created_at,
+            json.dumps(record.body, ensure_ascii=False))
+
+    async def get_run(self, tenant: str, run_id: str) -> RunRecord | None:
+        row = await self.pool.fetchrow("SELECT tenant, id, container_id, status, created_at, body "
+                                       "FROM runs WHERE tenant = $1 AND id = $2", tenant, run_id)
+        if row is None:
+            return None
+        return RunRecord(tenant=row[0], id=row[1], container_id=row[2], status=row[3],
+                         created_at=row[4], body=json.loads(row[5]))
+
+    async def delete_runs_before(self, created_before: float) -> int:
+        status = await self.pool.execute("DELETE FROM runs WHERE created_at < $1", created_before)
+        return int(status.split()[-1])
+
+    # -- stored responses ------------------------------------------------------------------
+    async def put_response(self, record: ResponseRecord) -> None:
+        await self.pool.execute(
+            "INSERT INTO responses (tenant, id, created_at, body, state) VALUES ($1,$2,$3,$4,$5) "
+            "ON CONFLICT (tenant, id) DO UPDATE SET created_at = EXCLUDED.created_at, "
+            "body = EXCLUDED.body, state = EXCLUDED.state",
+            record.tenant, record.id, record.created_at,
+            json.dumps(record.body, ensure_ascii=False), json.dumps(record.state, ensure_ascii=False))
+
+    async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
+        row = await self.pool.fetchrow("SELECT tenant, id, created_at, body, state FROM responses "
+                                       "WHERE tenant = $1 AND id = $2", tenant, response_id)
+        if row is None:
+            return None
+        return ResponseRecord(tenant=row[0], id=row[1], created_at=row[2],
+                              body=json.loads(row[3]), state=json.loads(row[4]))
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        status = await self.pool.execute("DELETE FROM responses WHERE tenant = $1 AND id = $2",
+                                         tenant, response_id)
+        return status != "DELETE 0"
+
+    async def delete_responses_before(self, created_before: float) -> int:
+        status = await self.pool.execute("DELETE FROM responses WHERE created_at < $1",
+                                         created_before)
+        return int(status.split()[-1])

@@ -1,0 +1,170 @@
+"""The metadata store's contract, on both backends: embedded SQLite and PostgreSQL.
+
+The same tests run against a real SQLite file and a real PostgreSQL server, so
+the cluster store cannot drift from the embedded one: every record comes back
+as written, scoped by tenant, and the guarantees the API rests on hold (an
+acknowledged write is there for another connection, and of two front ends
+creating one container exactly one succeeds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import asyncpg
+import pytest
+
+from shoal.storage import (ContainerRecord, FileRecord, ResponseRecord, RunRecord,
+                           SqliteMetadataStore, UploadRecord)
+from shoal.storage.postgres import PostgresMetadataStore
+from shoal.storage.sqlite import SCHEMA_VERSION, SchemaTooNew
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def make_store(request, tmp_path):
+    """A factory of stores on one database: several are several front ends."""
+    if request.param == "sqlite":
+        # One server per data directory is SQLite's rule (a lock): one store.
+        return lambda: SqliteMetadataStore(tmp_path / "shoal.sqlite3")
+    url = request.getfixturevalue("postgres_url")
+    return lambda: PostgresMetadataStore(url)
+
+
+@pytest.fixture
+async def store(make_store):
+    opened = make_store()
+    await opened.open()
+    yield opened
+    await opened.close()
+
+
+def container(tenant="alpha", id="cnt_1", **extra) -> ContainerRecord:
+    now = time.time()
+    return ContainerRecord(**{"tenant": tenant, "id": id, "name": "box", "created_at": now,
+                              "last_active_at": now, "expires_after_minutes": 20, **extra})
+
+
+async def test_containers_round_trip_scoped_by_tenant(store):
+    record = container(memory_limit="4g", network_policy='{"type": "disabled"}', implicit=True)
+    await store.put_container(record)
+    assert await store.get_container("alpha", "cnt_1") == record
+    assert await store.get_container("beta", "cnt_1") is None
+    # Full precision: a Unix time survives to the microsecond.
+    assert (await store.get_container("alpha", "cnt_1")).created_at == record.created_at
+    moved = record.touched(record.last_active_at + 90)
+    await store.put_container(moved)
+    assert await store.list_containers("alpha") == [moved]
+    assert await store.list_containers("beta") == []
+    assert await store.expired_containers(moved.expires_at - 1) == []
+    assert await store.expired_containers(moved.expires_at) == [moved]
+
+
+async def test_create_container_refuses_an_existing_id(store):
+    assert await store.create_container(container()) is True
+    assert await store.create_container(container(name="other")) is False
+    assert (await store.get_container("alpha", "cnt_1")).name == "box"
+    assert await store.create_container(container(tenant="beta")) is True  # ids are per tenant
+
+
+async def test_files_uploads_runs_responses(store):
+    await store.put_container(container())
+    files = [FileRecord("alpha", "cnt_1", f"/mnt/data/{name}", time.time() + i, 3 + i, "user", None)
+             for i, name in enumerate(["a.txt", "b.txt", "c.txt"])]
+    for record in files:
+        await store.put_file(record)
+    assert await store.list_files("alpha", "cnt_1") == files
+    assert await store.get_file("alpha", "cnt_1", "/mnt/data/b.txt") == files[1]
+    assert await store.list_files("beta", "cnt_1") == []
+    await store.delete_files("alpha", "cnt_1", ["/mnt/data/a.txt", "/mnt/data/c.txt"])
+    assert await store.list_files("alpha", "cnt_1") == [files[1]]
+    await store.delete_container_files("alpha", "cnt_1")
+    assert await store.list_files("alpha", "cnt_1") == []
+
+    upload = UploadRecord("alpha", "file_1", "r\u00e9sum\u00e9.pdf", 10, time.time(), "assistants",
+                          "application/pdf", {"k": [1, "two"]})
+    await store.put_upload(upload)
+    assert await store.get_upload("alpha", "file_1") == upload
+    assert await store.list_uploads("alpha") == [upload] and await store.list_uploads("beta") == []
+    await store.delete_upload("alpha", "file_1")
+    assert await store.get_upload("alpha", "file_1") is None
+
+    old, new = time.time() - 100, time.time()
+    await store.put_run(RunRecord("alpha", "run_old", None, "completed", old, {"stdout": "\u2603"}))
+    await store.put_run(RunRecord("alpha", "run_new", "cnt_1", "failed", new, {"error": "x"}))
+    assert (await store.get_run("alpha", "run_old")).body == {"stdout": "\u2603"}
+    assert await store.get_run("beta", "run_old") is None
+    assert await store.delete_runs_before(old + 1) == 1
+    assert await store.get_run("alpha", "run_old") is None
+    assert (await store.get_run("alpha", "run_new")).container_id == "cnt_1"
+
+    response = ResponseRecord("alpha", "resp_1", new, {"output": []}, {"input": [1]})
+    await store.put_response(response)
+    assert await store.get_response("alpha", "resp_1") == response
+    assert await store.delete_response("beta", "resp_1") is False
+    assert await store.delete_response("alpha", "resp_1") is True
+    await store.put_response(ResponseRecord("alpha", "resp_2", old, {}, {}))
+    assert await store.delete_responses_before(old + 1) == 1
+
+
+async def test_front_ends_share_one_database(make_store, request):
+    if request.node.callspec.params["make_store"] == "sqlite":
+        pytest.skip("the embedded store serves one front end (a data-directory lock)")
+    first, second = make_store(), make_store()
+    await asyncio.gather(first.open(), second.open())  # both migrate: it runs once
+    try:
+        assert await first.schema_version() == SCHEMA_VERSION
+        # An acknowledged write is visible to the other front end at once.
+        await first.put_container(container())
+        assert await second.get_container("alpha", "cnt_1") == container(
+            created_at=(await first.get_container("alpha", "cnt_1")).created_at,
+            last_active_at=(await first.get_container("alpha", "cnt_1")).last_active_at)
+        # Two front ends racing to create one container: exactly one gets it, every time.
+        for round in range(20):
+            outcomes = await asyncio.gather(
+                *(store.create_container(container(id=f"race_{round}", name=f"{i}"))
+                  for i, store in enumerate((first, second) * 4)))
+            assert sorted(outcomes) == [False] * 7 + [True], outcomes
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_a_database_from_a_newer_shoal_is_refused_untouched(postgres_url):
+    db = await asyncpg.connect(postgres_url)
+    try:
+        await db.execute("CREATE TABLE shoal_schema (version INTEGER NOT NULL)")
+        await db.execute("INSERT INTO shoal_schema VALUES ($1)", SCHEMA_VERSION + 1)
+        store = PostgresMetadataStore(postgres_url)
+        with pytest.raises(SchemaTooNew):
+            await store.open()
+        tables = {row[0] for row in await db.fetch(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+        assert tables == {"shoal_schema"}, tables
+    finally:
+        await db.close()
+
+
+async def test_an_older_database_walks_forward_keeping_its_rows(postgres_url):
+    from shoal.storage.postgres import _postgres_step
+    from shoal.storage.sqlite import _MIGRATIONS
+    db = await asyncpg.connect(postgres_url)
+    try:  # the first release's schema and a row in it
+        await db.execute("CREATE TABLE shoal_schema (version INTEGER NOT NULL)")
+        await db.execute(_postgres_step(_MIGRATIONS[0]))
+        await db.execute("INSERT INTO shoal_schema VALUES (1)")
+        await db.execute("INSERT INTO containers (tenant, id, name, created_at, last_active_at, "
+                         "expires_after_minutes, status, implicit) "
+                         "VALUES ('alpha', 'cnt_old', 'kept', 1.5, 2.5, 20, 'active', 0)")
+    finally:
+        await db.close()
+    store = PostgresMetadataStore(postgres_url)
+    await store.open()
+    try:
+        assert await store.schema_version() == SCHEMA_VERSION
+        kept = await store.get_container("alpha", "cnt_old")
+        assert (kept.name, kept.created_at, kept.network_policy) == ("kept", 1.5, None)
+    finally:
+        await store.close()

@@ -1,0 +1,353 @@
+"""Sandbox egress: the model API from inside a sandbox, and the operator's allowlist.
+
+Real servers on loopback: a ``shoal serve`` whose upstream is the scripted model,
+with ``--egress-allow`` naming test services on the host; real sandboxes whose
+code uses Python, curl and Bun through the proxy the sandbox's environment names.
+
+The test services listen on 127.0.0.1, which the sandbox's ``NO_PROXY`` keeps
+for the sandbox's own loopback (a server the code runs itself), so the clients
+here drop ``NO_PROXY`` to go through the proxy, as a client of a named internal
+service would without doing anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import anthropic
+import httpx
+import pytest
+from httpx_sse import connect_sse
+
+from tests.gateway.conftest import CLIENT_TOKEN, OPERATOR_KEY
+from tests.gateway.scripted_upstream import anthropic_turn, text, tool_use
+
+TOOL = {"type": "code_execution_20250825", "name": "code_execution"}
+SECRET_VALUE = "real-secret-value-7d1c"
+OPERATOR_TOKEN = "egress-operator-token"
+
+
+class _Service(ThreadingHTTPServer):
+    """A host service the operator may allow: answers who it is and what it was sent."""
+
+    daemon_threads = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.seen: list[dict] = []
+        super().__init__(("127.0.0.1", 0), _ServiceHandler)
+        self.port = self.server_address[1]
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class _ServiceHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802
+        self.server.seen.append({"path": self.path, "headers": dict(self.headers)})
+        body = f"hello from {self.server.name}\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def services():
+    allowed, named_only = _Service("allowed"), _Service("named-only")
+    yield allowed, named_only
+    for service in (allowed, named_only):
+        service.shutdown()
+        service.server_close()
+
+
+@pytest.fixture(scope="module")
+def egress_server(gateway_factory, services):
+    allowed, named_only = services
+    # 127.0.0.1:PORT names the address; localhost:PORT2 names only a name, which
+    # resolves to loopback: the broker must refuse it.
+    return gateway_factory(egress_allow=f"127.0.0.1:{allowed.port},localhost:{named_only.port}",
+                           model_token_seconds=4, model_token_requests=3,
+                           operator_tokens=OPERATOR_TOKEN)
+
+
+def _container(http: httpx.Client, **extra) -> str:
+    answer = http.post("/v1/containers", json={"name": f"egress-{uuid.uuid4().hex[:8]}", **extra})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["id"]
+
+
+def _run(http: httpx.Client, container: str, language: str, code: str) -> dict:
+    """A direct run in ``container``: its run.completed (or run.failed) event."""
+    with connect_sse(http, "POST", "/v1/code-execution/runs", json={
+            "language": language, "code": code, "container": container,
+            "timeout_ms": 60_000}) as source:
+        assert source.response.status_code == 200, source.response.read()
+        ends = [{"event": sse.event, **sse.json()} for sse in source.iter_sse()
+                if sse.event in ("run.completed", "run.failed")]
+    assert len(ends) == 1, ends
+    return ends[0]
+
+
+def _sh(http: httpx.Client, container: str, command: str) -> dict:
+    """``command`` in bash, through a Python run (the runs API takes Python and JS)."""
+    code = ("import subprocess, sys\n"
+            f"p = subprocess.run(['bash', '-c', {command!r}], capture_output=True, text=True)\n"
+            "sys.stdout.write(p.stdout); sys.stderr.write(p.stderr); sys.exit(p.returncode)\n")
+    return _run(http, container, "python", code)
+
+
+DIRECT = "env -u NO_PROXY -u no_proxy "  # through the proxy even to 127.0.0.1
+
+
+# -- the operator's allowlist -----------------------------------------------------------------
+def test_an_allowed_service_is_reached_from_python_curl_and_bun(egress_server, services):
+    allowed, _ = services
+    url = f"http://127.0.0.1:{allowed.port}/hi"
+    with egress_server.client(CLIENT_TOKEN) as http:
+        box = _container(http)
+        curl = _sh(http, box, f"{DIRECT} curl -sS --max-time 20 {url}")
+        assert (curl.get("exit_code"), curl.get("stdout")) == (0, "hello from allowed\n"), curl
+        python = _run(http, box, "python", (
+            "import os\n"
+            "os.environ.pop('NO_PROXY'); os.environ.pop('no_proxy')\n"
+            "import urllib.request, requests, httpx\n"
+            f"print(urllib.request.urlopen({url!r}, timeout=20).read().decode(), end='')\n"
+            f"print(requests.get({url!r}, timeout=20).text, end='')\n"
+            f"print(httpx.get({url!r}, timeout=20).text, end='')\n"))
+        assert python.get("stdout") == "hello from allowed\n" * 3, python
+        bun = _run(http, box, "javascript", (
+            "delete process.env.NO_PROXY; delete process.env.no_proxy;\n"
+            f"const r = await fetch({url!r});\n"
+            "console.log((await r.text()).trim());\n"))
+        assert bun.get("stdout") == "hello from allowed\n", bun
+        node = _sh(http, box, DIRECT + "node -e \"fetch('" + url + "').then(r => r.text())"
+                              ".then(t => process.stdout.write(t))\"")
+        assert (node.get("stdout"), node.get("stderr")) == ("hello from allowed\n", ""), node
+    assert len(allowed.seen) == 6
+
+
+def test_what_the_operator_did_not_allow_is_refused(egress_server, services):
+    allowed, named_only = services
+    with egress_server.client(CLIENT_TOKEN) as http:
+        box = _container(http)
+        refused = _sh(http, box, "; ".join([
+            # another port of the allowed address
+            f"{DIRECT} curl -s -o /dev/null -w '%{{http_code}}\\n' http://127.0.0.1:{named_only.port}/",
+            # a name the operator allowed, resolving to loopback the operator did not name
+            f"{DIRECT} curl -s -o /dev/null -w '%{{http_code}}\\n' http://localhost:{named_only.port}/",
+            # another host
+            f"{DIRECT} curl -s -o /dev/null -w '%{{http_code}}\\n' http://10.1.2.3/",
+            # a tunnel to a port that is not allowed
+            f"{DIRECT} curl -s -o /dev/null -w '%{{http_connect}}\\n' -p http://127.0.0.1:{named_only.port}/",
+        ]))
+        assert refused.get("stdout", "").split() == ["403", "403", "403", "403"], refused
+        # Without the proxy there is no way out at all.
+        bypass = _sh(http, box, f"curl -sS --noproxy '*' --max-time 5 "
+                                f"http://127.0.0.1:{allowed.port}/; echo rc=$?")
+        assert "rc=7" in bypass.get("stdout", ""), bypass
+        raw = _run(http, box, "python", (
+            "import socket\n"
+            "s = socket.socket()\n"
+            "s.settimeout(5)\n"
+            f"print(s.connect_ex(('127.0.0.1', {allowed.port})))\n"))
+        assert raw.get("stdout", "").strip() == "111", raw  # ECONNREFUSED: its own loopback
+    assert named_only.seen == []
+
+
+def test_a_network_policy_narrows_and_its_secrets_stay_outside(egress_server, services):
+    allowed, _ = services
+    host = f"127.0.0.1:{allowed.port}"
+    with egress_server.client(CLIENT_TOKEN) as http:
+        # Wider than the operator's list: the extra entry changes nothing.
+        box = _container(http, network_policy={
+            "type": "allowlist", "allowed_domains": [host, "10.0.0.0/8"],
+            "domain_secrets": [{"domain": "127.0.0.1", "name": "SERVICE_KEY",
+                                "value": SECRET_VALUE}]})
+        shown = http.get(f"/v1/containers/{box}").json()
+        assert SECRET_VALUE not in json.dumps(shown)
+        seen_before = len(allowed.seen)
+        answer = _sh(http, box, (
+            f"{DIRECT} curl -sS -H \"Authorization: Bearer $SERVICE_KEY\" http://{host}/s; "
+            "echo key=$SERVICE_KEY; "
+            f"grep -rl {SECRET_VALUE} /proc/self/environ /mnt /tmp 2>/dev/null; echo end"))
+        stdout = answer.get("stdout", "")
+        assert stdout.startswith("hello from allowed\nkey=shoal-secret-"), answer
+        assert SECRET_VALUE not in stdout and stdout.endswith("end\n"), answer
+        assert allowed.seen[seen_before]["headers"]["Authorization"] == f"Bearer {SECRET_VALUE}"
+        wider = _sh(http, box, f"{DIRECT} curl -s -o /dev/null -w '%{{http_code}}' http://10.1.2.3/")
+        assert wider.get("stdout") == "403", wider
+
+        # Narrower: this container may not reach what the operator allows.
+        narrow = _container(http, network_policy={"type": "allowlist",
+                                                  "allowed_domains": ["example.com"]})
+        refused = _sh(http, narrow, f"{DIRECT} curl -s -o /dev/null -w '%{{http_code}}' http://{host}/")
+        assert refused.get("stdout") == "403", refused
+        disabled = _container(http, network_policy={"type": "disabled"})
+        refused = _sh(http, disabled, f"{DIRECT} curl -s -o /dev/null -w '%{{http_code}}' http://{host}/")
+        assert refused.get("stdout") == "403", refused
+
+
+def test_bad_network_policies_are_the_clients_error(egress_server):
+    with egress_server.client(CLIENT_TOKEN) as http:
+        for policy in ({"type": "open"}, {"type": "allowlist"},
+                       {"type": "allowlist", "allowed_domains": ["a b"]},
+                       {"type": "allowlist", "allowed_domains": ["x.com"],
+                        "domain_secrets": [{"domain": "y.com", "name": "K", "value": "v"}]}):
+            answer = http.post("/v1/containers", json={"name": "bad", "network_policy": policy})
+            assert answer.status_code == 400, (policy, answer.text)
+            assert answer.json()["error"]["message"], answer.text
+
+
+def test_the_first_connection_after_start_succeeds(egress_server, services):
+    allowed, _ = services
+    with egress_server.client(CLIENT_TOKEN) as http:
+        for _ in range(3):
+            box = _container(http)  # a sandbox started for this very call
+            first = _sh(http, box, f"{DIRECT} curl -sS http://127.0.0.1:{allowed.port}/")
+            assert first.get("stdout") == "hello from allowed\n", first
+
+
+def test_metrics_count_each_containers_traffic(egress_server, services):
+    allowed, _ = services
+    with egress_server.client(CLIENT_TOKEN) as http:
+        box = _container(http)
+        _sh(http, box, f"{DIRECT} curl -sS http://127.0.0.1:{allowed.port}/")
+        _sh(http, box, f"{DIRECT} curl -s http://10.1.2.3/")
+        metrics = http.get("/metrics", headers={"authorization": f"Bearer {OPERATOR_TOKEN}"}).text
+    lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+             if box in line and not line.startswith("#")}
+    assert lines, [line for line in metrics.splitlines() if "egress" in line]
+    assert lines[f'shoal_egress_connections_total{{container="{box}"}}'] == 2, lines
+    assert lines[f'shoal_egress_refused_total{{container="{box}"}}'] == 1, lines
+    assert lines[f'shoal_egress_bytes_total{{container="{box}",direction="in"}}'] > 0, lines
+    assert lines[f'shoal_egress_bytes_total{{container="{box}",direction="out"}}'] > 0, lines
+
+
+# -- the model API from inside ----------------------------------------------------------------
+def _sandbox_memory_holds(server, needle: bytes) -> list[str]:
+    """Where the sandboxes' processes (every uid of this server's range) hold
+    ``needle`` in memory; read from the host."""
+    base = int(server.process.args[server.process.args.index("--uid-base") + 1])
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            uid = int(re.search(r"^Uid:\s+(\d+)", status.read_text(), re.M).group(1))
+            if not base <= uid < base + 65536:
+                continue
+            pid = status.parent.name
+            with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb") as mem:
+                for line in maps:
+                    span, perms = line.split()[:2]
+                    if not perms.startswith("r"):
+                        continue
+                    start, end = (int(x, 16) for x in span.split("-"))
+                    try:
+                        mem.seek(start)
+                        if needle in mem.read(end - start):
+                            found.append(f"{pid}: {line.strip()}")
+                    except (OSError, OverflowError, ValueError):
+                        continue
+        except (OSError, AttributeError):
+            continue
+    return found
+
+
+INNER = """
+import os, anthropic
+client = anthropic.Anthropic()
+answer = client.messages.create(model=os.environ["ANTHROPIC_MODEL"], max_tokens=64,
+                                messages=[{"role": "user", "content": "from inside"}])
+print(answer.content[0].text)
+print("token", os.environ["ANTHROPIC_AUTH_TOKEN"])
+print("base", os.environ["ANTHROPIC_BASE_URL"])
+"""
+
+
+def test_code_calls_the_model_with_a_token_not_the_operators_key(egress_server, upstream):
+    client = anthropic.Anthropic(base_url=egress_server.url, api_key=CLIENT_TOKEN, max_retries=0)
+    seen = {}
+
+    def inner_turn(body):
+        return anthropic_turn(text("inner answer"))
+
+    def final(body):
+        result = json.loads([b for b in body["messages"][-1]["content"]
+                             if b.get("type") == "tool_result"][-1]["content"])
+        seen.update(result)
+        return anthropic_turn(text("done"))
+
+    # The command holds the key reversed (the agent keeps the command it ran): the
+    # shell assembles it only to search for it.
+    upstream.script(anthropic_turn(tool_use("bash_code_execution", {
+        "command": f"cat > inner.py <<'EOF'\n{INNER}\nEOF\npython3 inner.py; "
+                   f"key=$(echo {OPERATOR_KEY[::-1]} | rev); env | grep -c \"$key\"; "
+                   "grep -rl \"$key\" /proc/self/environ /mnt /tmp /etc 2>/dev/null; "
+                   "echo scanned"})), inner_turn, final)
+    message = client.messages.create(model="claude-inner", max_tokens=256, tools=[TOOL],
+                                     messages=[{"role": "user", "content": "go"}])
+    assert message.content[-1].text == "done"
+    lines = seen["stdout"].splitlines()
+    assert lines[0] == "inner answer", seen
+    token = lines[1].removeprefix("token ")
+    assert token.startswith("shoal-mt-") and token not in (CLIENT_TOKEN, OPERATOR_KEY)
+    assert lines[2] == "base http://shoal.internal"
+    assert lines[3:] == ["0", "scanned"], seen  # not in the environment, not in files
+    # The upstream saw the operator's key for the sandbox's call, and the model it named.
+    outer, inner, _ = upstream.requests
+    assert inner.body["messages"] == [{"role": "user", "content": "from inside"}]
+    assert inner.body["model"] == "claude-inner"
+    assert inner.headers["x-api-key"] == OPERATOR_KEY
+    assert token not in json.dumps(inner.headers)
+    # Nor in any sandbox's memory.
+    assert _sandbox_memory_holds(egress_server, OPERATOR_KEY.encode()) == []
+
+    # The token is useless outside its container: from the host, as a client token...
+    stolen = anthropic.Anthropic(base_url=egress_server.url, api_key=token, max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        stolen.messages.create(model="x", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    # ...and from another container's sandbox.
+    with egress_server.client(CLIENT_TOKEN) as http:
+        other = _container(http)
+        answer = _sh(http, other, (
+            "curl -s -o /dev/null -w '%{http_code}' -H 'content-type: application/json' "
+            f"-H 'authorization: Bearer {token}' -d '{{}}' http://shoal.internal/v1/messages"))
+        assert answer.get("stdout") == "401", answer
+        # Shoal's other routes are not the model API.
+        answer = _sh(http, other, "curl -s -o /dev/null -w '%{http_code}' "
+                                  "http://shoal.internal/v1/containers")
+        assert answer.get("stdout") == "403", answer
+
+
+def test_a_token_expires(egress_server, upstream):
+    client = anthropic.Anthropic(base_url=egress_server.url, api_key=CLIENT_TOKEN, max_retries=0)
+    seen = {}
+
+    def final(body):
+        seen.update(json.loads([b for b in body["messages"][-1]["content"]
+                                if b.get("type") == "tool_result"][-1]["content"]))
+        return anthropic_turn(text("done"))
+
+    code = ("import os, time, anthropic\n"
+            "c = anthropic.Anthropic(max_retries=0)\n"
+            "m = dict(model='m', max_tokens=8, messages=[{'role': 'user', 'content': 'x'}])\n"
+            "print(c.messages.create(**m).content[0].text)\n"
+            "time.sleep(5)\n"
+            "try:\n    c.messages.create(**m)\nexcept anthropic.AuthenticationError as e:\n"
+            "    print('refused', e.status_code)\n")
+    upstream.script(anthropic_turn(tool_use("bash_code_execution", {
+        "command": f"cat > expiry.py <<'EOF'\n{code}EOF\npython3 expiry.py"})),
+        anthropic_turn(text("first")), final)
+    message = client.messages.create(model="m", max_tokens=64, tools=[TOOL],
+                                     messages=[{"role": "user", "content": "go"}])
+    assert seen, ([block.type for block in message.content], message.content[-1],
+                  [r.path for r in upstream.requests])
+    assert seen["stdout"].splitlines() == ["first", "refused 401"], seen
