@@ -263,12 +263,17 @@ async def test_cannot_read_shadow_root_or_checkout(sandbox):
         "checkout": str(CHECKOUT),
         "checkout_file": str(CHECKOUT / "pyproject.toml"),
         "test_file": str(Path(__file__).resolve()),
-        "checkout_parent": str(CHECKOUT.parent),
         "run": "/run",
         "sys": "/sys",
         "host_data": "/var/lib/shoal",
         "host_runtime_cache": "/var/cache/shoal",
     }
+    # The checkout's parent, unless the sandbox has a directory of its own there
+    # (a clone in /tmp: the sandbox's /tmp is its own tmpfs, where "checkout" above
+    # already shows the clone is absent).
+    if not str(CHECKOUT.parent).startswith(("/tmp", "/home", "/mnt", "/opt/shoal")) \
+            and CHECKOUT.parent != Path("/"):
+        targets["checkout_parent"] = str(CHECKOUT.parent)
     res = await probe(sandbox, f"""
         import os
         targets = {targets!r}
