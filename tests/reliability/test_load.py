@@ -20,11 +20,12 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
-from .conftest import ShoalServer, processes_in
+from .conftest import ShoalServer, mounts_under, processes_in
 
 MiB = 1024 * 1024
 
@@ -44,19 +45,49 @@ def _latency_line(name: str, samples: list[float]) -> str:
             f"max {max(samples) * 1000:.1f} ms")
 
 
+def _loop_devices_of(data_dir: Path) -> int:
+    """Loop devices whose backing file is in ``data_dir`` (each volume holds one)."""
+    prefix = str(data_dir.resolve()) + "/"
+    count = 0
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            count += backing.read_text().strip().startswith(prefix)
+        except OSError:
+            pass
+    return count
+
+
+def _disk_bytes(directory: Path) -> int:
+    """Real disk the files under ``directory`` use (volume images are sparse)."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
 def server_figures(server: ShoalServer) -> dict[str, int]:
-    """RSS, open fds and threads of the server, and live processes in its uid range."""
+    """RSS, open fds and threads of the server, live processes in its uid range, and
+    its volumes: mounts, loop devices, real disk."""
     status = dict(line.split(":", 1) for line in
                   open(f"/proc/{server.pid}/status").read().splitlines() if ":" in line)
     return {"rss": int(status["VmRSS"].split()[0]) * 1024,
             "fds": len(os.listdir(f"/proc/{server.pid}/fd")),
             "threads": int(status["Threads"]),
-            "processes": len([p for p in processes_in(server.uids) if p["state"] != "Z"])}
+            "processes": len([p for p in processes_in(server.uids) if p["state"] != "Z"]),
+            "mounts": len(mounts_under(server.run_dir) + mounts_under(server.data_dir)),
+            "loops": _loop_devices_of(server.data_dir),
+            "disk": _disk_bytes(server.data_dir)}
 
 
 def _figures_line(figures: dict[str, int]) -> str:
     return (f"RSS {figures['rss'] / MiB:.1f} MiB, {figures['fds']} fds, "
-            f"{figures['threads']} threads, {figures['processes']} sandbox processes")
+            f"{figures['threads']} threads, {figures['processes']} sandbox processes, "
+            f"{figures['mounts']} mounts, {figures['loops']} loop devices, "
+            f"{figures['disk'] / MiB:.1f} MiB of disk")
 
 
 # -- one session's mixed calls -------------------------------------------------------------------
@@ -256,6 +287,11 @@ def run_soak(server: ShoalServer, seconds: float, workers: int = 4) -> None:
     # Nothing but the warm pool runs in the uid range: no sandbox outlived its session.
     assert end["processes"] == 3 * end["pool_ready"]
     assert start["processes"] == 3 * start["pool_ready"]
+    # Each warm sandbox holds one scratch volume: one loop device, one mount; no
+    # destroyed session's volume, device or disk stays behind.
+    assert end["loops"] == end["pool_ready"] and start["loops"] == start["pool_ready"], (start, end)
+    assert end["mounts"] - end["loops"] == start["mounts"] - start["loops"], (start, end)
+    assert end["disk"] - start["disk"] < 64 * MiB, "disk use grew"
 
 
 def test_soak_smoke(smoke_server):
