@@ -137,6 +137,7 @@ def run_concurrent_sessions(server: ShoalServer, sessions: int, calls: int) -> N
     create_latencies: list[float] = []
     call_latencies: list[float] = []
     lock = threading.Lock()
+    retried = [0]
     limits = httpx.Limits(max_connections=sessions + 16, max_keepalive_connections=sessions + 16)
     with httpx.Client(base_url=server.url, timeout=600, limits=limits) as http:
         figures_before = server_figures(server)
@@ -148,6 +149,14 @@ def run_concurrent_sessions(server: ShoalServer, sessions: int, calls: int) -> N
             try:
                 started = time.monotonic()
                 response = http.post("/sessions", json={})
+                # A burst past the launch queue is told to come back (503 with
+                # Retry-After), as admission control should; a client does so.
+                while response.status_code == 503 and response.headers.get("retry-after") \
+                        and time.monotonic() - started < 300:
+                    with lock:
+                        retried[0] += 1
+                    time.sleep(min(float(response.headers["retry-after"]), 1.0))
+                    response = http.post("/sessions", json={})
                 if response.status_code != 201:
                     raise AssertionError(f"create: {response.status_code} {response.text[:200]}")
                 session_id = response.json()["session_id"]
@@ -177,14 +186,25 @@ def run_concurrent_sessions(server: ShoalServer, sessions: int, calls: int) -> N
     total = sessions * calls
     print(f"\n{sessions} concurrent sessions x {calls} mixed calls: {len(call_latencies)}/{total} "
           f"calls in {elapsed:.1f}s, {len(call_latencies) / elapsed:.1f} calls/s overall, "
-          f"{len(errors)} errors")
-    print("  " + _latency_line("session create", create_latencies))
+          f"{len(errors)} errors, {retried[0]} creates retried after a 503")
+    print("  " + _latency_line("session create (retries included)", create_latencies))
     print("  " + _latency_line("call", call_latencies))
     print(f"  server before: {_figures_line(figures_before)}")
     print(f"  server after:  {_figures_line(figures_after)}")
     assert errors == [], errors[:10]
     assert len(call_latencies) == total
-    assert health["status"] == "ok" and health["sessions"] == 0, health
+    assert health["sessions"] == 0, health
+    # A burst this size promises more disk than the host has (every session's
+    # volume is reserved whole), so warm launches failed and the pool backs off
+    # (at most 30 s) before it warms again: it must, without help.
+    print(f"  health at the end: {health['status']} {health.get('details')}")
+    deadline = time.monotonic() + 120
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        while health["status"] != "ok" and time.monotonic() < deadline:
+            time.sleep(0.5)
+            health = http.get("/health").json()
+    assert health["status"] == "ok", health.get("details")
+    print(f"  healthy again {120 - (deadline - time.monotonic()):.1f} s after the burst")
 
 
 @pytest.fixture(scope="module")
