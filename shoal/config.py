@@ -168,6 +168,18 @@ class Settings(BaseSettings):
     def _lower(cls, value: object) -> object:
         return value.strip().lower() if isinstance(value, str) else value
 
+    @field_validator("egress_allow")
+    @classmethod
+    def _check_egress_allow(cls, value: str) -> str:
+        from .egress.policy import Allowlist, PolicyError
+
+        try:
+            Allowlist(value)
+        except PolicyError as exc:
+            raise ValueError(f"{exc} (entries: host, host:port, *.suffix, an IP or a CIDR)") \
+                from None
+        return value
+
     @field_validator("preload_modules")
     @classmethod
     def _strip_modules(cls, value: str) -> str:

@@ -357,6 +357,8 @@ def _one_clear_line(outcome: subprocess.CompletedProcess, *words: str) -> None:
     (("--log-level", "verbose"), ("--log-level=verbose", "debug, info")),
     (("--port", "70000"), ("--port=70000",)),
     (("--pool-size", "many"), ("--pool-size=many", "integer")),
+    (("--egress-allow", "pypi.internal,a b"), ("--egress-allow=", "bad host 'a b'")),
+    (("--egress-allow", "10.0.0.0/33"), ("bad network",)),
 ])
 def test_a_bad_setting_is_one_line_and_exit_2(tmp_path, flags, words):
     _one_clear_line(_refused(tmp_path, *flags), "invalid setting", *words)
