@@ -167,10 +167,19 @@ def test_sessions_live_follows_leases_and_releases(client):
 
 
 def _pool_ready(client) -> float:
-    values = read_metrics(client)
-    ready = value(values, "shoal_pool_ready")
-    assert ready == client.get("/health").json()["pool_ready"]
-    return ready
+    """The pool's ready count as /metrics says it, checked against /health. A pool
+    that refills between the two reads moves on: the pair must agree once it is
+    still (metrics, health, metrics all equal)."""
+    seen = None
+    for _ in range(200):
+        before = value(read_metrics(client), "shoal_pool_ready")
+        health = client.get("/health").json()["pool_ready"]
+        after = value(read_metrics(client), "shoal_pool_ready")
+        if before == health == after:
+            return before
+        seen = (before, health, after)
+        time.sleep(0.05)
+    raise AssertionError(f"/metrics and /health never agreed on pool_ready: {seen}")
 
 
 def _wait_for_pool(client, expected: float, timeout: float = 120) -> float:
