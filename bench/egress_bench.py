@@ -32,6 +32,7 @@ from httpx_sse import connect_sse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.runs_bench import p as pct  # noqa: E402
 from tests.serving import start_server  # noqa: E402
 
 _BLOCK = b"x" * (1 << 20)
@@ -72,11 +73,6 @@ def measure(host, port, proxy, requests, megabytes):
     assert got == size, got
     return {"samples": samples, "mb_per_s": megabytes / spent}
 """
-
-
-def pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
 def main() -> None:

@@ -102,11 +102,6 @@ class ModelTokens:
         found.requests_left -= 1
         return found
 
-    def revoke_container(self, container_id: str) -> None:
-        for key, token in list(self._tokens.items()):
-            if token.container_id == container_id:
-                del self._tokens[key]
-
     def _forget_expired(self) -> None:
         self._issued += 1
         if self._issued % 256 and len(self._tokens) < 4096:
