@@ -563,7 +563,9 @@ async def test_cannot_see_another_sandboxes_files_or_processes(pool, sandbox):
         setup = await sandbox.run_bash(
             f"echo {marker} > {marker}.txt && echo {marker} > {OUTPUTS}/{marker}.out && "
             f"echo {marker} > /tmp/{marker}.tmp && echo {marker} > /dev/shm/{marker}.shm && "
-            f"(exec -a {marker} sleep 300) > /dev/null 2>&1 & echo started")
+            # Braces: a bare "&" would send the whole && chain to the background,
+            # and the files above would race the checks below.
+            f"{{ (exec -a {marker} sleep 300) > /dev/null 2>&1 & }} && echo started")
         assert setup.stdout == "started\n", setup.stderr
         assert (sandbox.home.workspace / f"{marker}.txt").exists()
         seen_in_a = await probe(sandbox, f"""
