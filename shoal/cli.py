@@ -45,8 +45,14 @@ def settings_from(args: argparse.Namespace) -> Settings:
             name = str(error["loc"][0]) if error.get("loc") else "?"
             source = (f"--{name.replace('_', '-')}" if name in given
                       else f"SHOAL_{name.upper()}")
-            problems.append(f"{source}={error.get('input')!s}: {_plain(error)}")
+            shown = "(not shown)" if name in _SECRET_SETTINGS else f"{error.get('input')!s}"
+            problems.append(f"{source}={shown}: {_plain(error)}")
         raise BadSetting("; ".join(problems)) from None
+
+
+# Settings whose value may hold a password or key: an error never echoes them.
+_SECRET_SETTINGS = {"database_url", "tokens", "operator_tokens", "upstream_anthropic_key",
+                    "upstream_openai_key"}
 
 
 def _plain(error: dict) -> str:
@@ -55,7 +61,9 @@ def _plain(error: dict) -> str:
         pattern = str(error.get("ctx", {}).get("pattern", ""))
         choices = pattern.strip("^$()").split("|")
         return "must be one of " + ", ".join(choices)
-    return str(error.get("msg", "invalid")).lower()
+    message = str(error.get("msg", "invalid"))
+    return message.removeprefix("Value error, ") if error.get("type") == "value_error" \
+        else message.lower()
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -23,6 +23,11 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8080, ge=0, le=65535, description="Port to listen on.")
     data_dir: Path = Field(Path("/var/lib/shoal"), description="Where metadata and files live.")
+    database_url: str = Field("", description="Metadata in PostgreSQL rather than the data "
+                              "directory's SQLite: 'postgresql://user:password@host/db', or "
+                              "'@/path/file' holding it (keeps the password out of ps). "
+                              "Front ends sharing one database share containers, uploads and "
+                              "runs' records.")
     tokens: str = Field("", description="Bearer tokens: 'tok1=tenant-a,tok2=tenant-b', "
                                         "or '@/path/file' with one 'token=tenant' per line. "
                                         "Empty: no authentication.")
@@ -179,6 +184,16 @@ class Settings(BaseSettings):
             raise ValueError(f"{exc} (entries: host, host:port, *.suffix, an IP or a CIDR)") \
                 from None
         return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_database_url(cls, value: str) -> str:
+        url = value.strip()
+        if url and not url.startswith("@") and not url.startswith(("postgresql://",
+                                                                    "postgres://")):
+            raise ValueError("a database URL is postgresql://user:password@host[:port]/database "
+                             "(or '@/path/file' holding one)")
+        return url
 
     @field_validator("preload_modules")
     @classmethod

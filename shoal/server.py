@@ -43,9 +43,13 @@ def startup_problems(settings: Settings) -> list[str]:
         TokenTable.parse(settings.tokens, settings.operator_tokens)
     except TokenConfigError as exc:
         found.append(str(exc))
+    from .config import read_secret
     from .storage import metadata_problem
 
-    problem = metadata_problem(settings.data_dir)
+    try:
+        problem = metadata_problem(settings.data_dir, read_secret(settings.database_url))
+    except ValueError as exc:  # an '@file' that cannot be read
+        problem = f"database_url: {exc}"
     if problem:
         found.append(problem)
     return found

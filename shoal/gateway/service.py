@@ -21,7 +21,7 @@ import httpx
 from shoal.config import Settings, read_secret
 from shoal.egress.tokens import ModelAccess
 from shoal.runs import RunManager, UnknownRun
-from shoal.sessions import ContainerFile, SessionManager, UnknownContainer
+from shoal.sessions import ContainerExists, ContainerFile, SessionManager, UnknownContainer
 from shoal.sessions.network import check_network_policy
 from shoal.storage import ContainerRecord, ResponseRecord
 
@@ -200,10 +200,13 @@ class Gateway:
                 # An auto container, made now, when the model first calls the tool
                 # (under the id the client was already shown), or anew if it expired.
                 spec = (marker or {}).get("container") or {}
-                record = await containers.create(
-                    tenant, current, name="code_interpreter", implicit=True,
-                    memory_limit=spec.get("memory_limit"),
-                    network_policy=check_network_policy(spec.get("network_policy")))
+                try:
+                    record = await containers.create(
+                        tenant, current, name="code_interpreter", implicit=True,
+                        memory_limit=spec.get("memory_limit"),
+                        network_policy=check_network_policy(spec.get("network_policy")))
+                except ContainerExists:  # a concurrent request of the conversation made it
+                    return await containers.get(tenant, current)
                 for file_id in spec.get("file_ids") or []:
                     upload, handle, _ = await self.sessions.uploads.open(tenant, file_id)
                     await self.sessions.container_files.attach_upload(record, upload, handle)

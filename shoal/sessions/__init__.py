@@ -9,7 +9,7 @@ from shoal.sandbox import (CallTooLarge, ExecResult, FileAccessError, Limit, Pro
 
 from .container_files import (ContainerFile, ContainerFiles, InvalidKey, parse_scoped_file_id,
                               path_for_key, scoped_file_id)
-from .containers import (ContainerManager, InvalidContainer, TenantQuotaExceeded, UnknownContainer,
+from .containers import (ContainerExists, ContainerManager, InvalidContainer, TenantQuotaExceeded, UnknownContainer,
                          UnknownSkill)
 from .uploads import Uploads
 from .manager import AtCapacity, SessionManager, UnknownSession
@@ -19,7 +19,7 @@ __all__ = [
     "CallTooLarge",
     "ContainerFile", "ContainerFiles", "InvalidKey", "Uploads", "parse_scoped_file_id",
     "path_for_key", "scoped_file_id",
-    "ContainerManager", "InvalidContainer", "TenantQuotaExceeded", "UnknownContainer", "UnknownSkill",
+    "ContainerExists", "ContainerManager", "InvalidContainer", "TenantQuotaExceeded", "UnknownContainer", "UnknownSkill",
     "AtCapacity", "ExecResult", "FileAccessError", "Limit", "ProducedFile", "SandboxClosed",
     "Session", "SessionManager", "UnknownSession", "guess_mime_type",
 ]

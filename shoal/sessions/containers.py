@@ -39,6 +39,10 @@ class UnknownContainer(LookupError):
     """No active container with that id exists for this tenant."""
 
 
+class ContainerExists(RuntimeError):
+    """A container of that id was created first (by another request or front end)."""
+
+
 class InvalidContainer(ValueError):
     """A container id or setting the client may not use."""
 
@@ -113,12 +117,21 @@ class ContainerManager:
         elif not _CLIENT_ID.match(container_id):
             raise InvalidContainer("a container id is 1 to 128 letters, digits, '.', '_', ':' "
                                    "or '-', starting with a letter or digit")
+        else:
+            # A client's id may name a container that expired and was not reaped
+            # yet: it goes first, so the new one starts empty, never with its files.
+            old = await self.metadata.get_container(tenant, container_id)
+            if old is not None and old.status == "active" and old.expires_at <= time.time():
+                await self._retire(self.current(old), "expired")
         now = time.time()
         record = ContainerRecord(tenant=tenant, id=container_id, name=name, created_at=now,
                                  last_active_at=now, expires_after_minutes=self._check_minutes(minutes),
                                  implicit=implicit, memory_limit=memory_limit,
                                  network_policy=network_policy)
-        await self.metadata.put_container(record)
+        # Insert-if-absent: of two front ends (or requests) creating the same id,
+        # one makes it; the other is told it exists.
+        if not await self.metadata.create_container(record):
+            raise ContainerExists(f"a container {container_id!r} exists already")
         self._records[(tenant, container_id)] = record
         return record
 
@@ -136,7 +149,11 @@ class ContainerManager:
         try:
             return await self.get(tenant, container_id)
         except UnknownContainer:
+            pass
+        try:
             return await self.create(tenant, container_id, implicit=True)
+        except ContainerExists:  # made by a concurrent request, here or on another front end
+            return await self.get(tenant, container_id)
 
     def current(self, record: ContainerRecord) -> ContainerRecord:
         """The freshest state of a container known here (its last touch included)."""

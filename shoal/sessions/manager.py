@@ -14,7 +14,7 @@ import secrets
 import time
 from typing import Callable
 
-from shoal.config import MiB, Settings
+from shoal.config import MiB, Settings, read_secret
 from shoal.egress.broker import EgressBroker, Grant, new_socket_dir
 from shoal.egress.policy import Allowlist
 from shoal.egress.tokens import ModelTokens
@@ -43,7 +43,7 @@ class SessionManager:
     def __init__(self, settings: Settings, pool: SandboxPool | None = None) -> None:
         self.settings = settings
         self.pool = pool or SandboxPool(settings)
-        self.metadata = open_metadata(settings.data_dir)
+        self.metadata = open_metadata(settings.data_dir, read_secret(settings.database_url))
         self.files = open_files(settings.data_dir, settings.run_dir, settings.disk_limit_mib * MiB,
                                 settings.max_file_bytes)
         self.containers = ContainerManager(settings, self.pool, self.metadata, self.files)

@@ -22,7 +22,13 @@ __all__ = [
 ]
 
 
-def open_metadata(data_dir: Path) -> MetadataStore:
+def open_metadata(data_dir: Path, database_url: str = "") -> MetadataStore:
+    """PostgreSQL where a database URL is given (cluster mode, front ends sharing
+    it), else the data directory's SQLite file."""
+    if database_url:
+        from .postgres import PostgresMetadataStore  # asyncpg only where it is used
+
+        return PostgresMetadataStore(database_url)
     return SqliteMetadataStore(data_dir / METADATA_FILE)
 
 
@@ -30,6 +36,14 @@ def open_files(data_dir: Path, run_dir: Path, quota_bytes: int, max_file_bytes: 
     return LocalFileStore(data_dir, run_dir, quota_bytes, max_file_bytes)
 
 
-def metadata_problem(data_dir: Path) -> str | None:
-    """Why the metadata in ``data_dir`` cannot be served by this Shoal, or None."""
+def metadata_problem(data_dir: Path, database_url: str = "") -> str | None:
+    """Why the metadata (the database at ``database_url``, else the data
+    directory's) cannot be served by this Shoal, or None."""
+    if database_url:
+        try:
+            from .postgres import database_problem
+        except ImportError:
+            return ("database_url needs the PostgreSQL driver: install Shoal with its "
+                    "'cluster' extra (pip install 'shoal[cluster]', which adds asyncpg)")
+        return database_problem(database_url)
     return schema_problem(data_dir / METADATA_FILE)

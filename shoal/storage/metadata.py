@@ -101,8 +101,10 @@ class MetadataStore(abc.ABC):
 
     @abc.abstractmethod
     async def create_container(self, record: ContainerRecord) -> bool:
-        """Insert ``record`` unless a container with its id exists; whether it was
-        inserted. Of two callers creating the same container, one gets True."""
+        """Insert ``record`` unless a live container with its id exists (one that is
+        active and not expired at ``record.created_at``: a deleted or expired one is
+        replaced); whether it was. Of two callers creating the same container, one
+        gets True."""
 
     @abc.abstractmethod
     async def get_container(self, tenant: str, container_id: str) -> ContainerRecord | None: ...

@@ -17,14 +17,17 @@ front ends creating the same container, exactly one gets it.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from urllib.parse import urlsplit
 
 import asyncpg
 
 from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
                        UploadRecord)
 # One schema, one version sequence, one mapping of rows to records, for both stores.
-from .sqlite import _MIGRATIONS, SCHEMA_VERSION, SchemaTooNew, _container, _file, _upload
+from .sqlite import (_MIGRATIONS, _TAKE_OVER, SCHEMA_VERSION, SchemaTooNew, _container, _file,
+                     _upload)
 
 _LOCK_KEY = 0x5E0A1  # pg_advisory_xact_lock: one migrator at a time
 _VERSION_TABLE = "CREATE TABLE IF NOT EXISTS shoal_schema (version INTEGER NOT NULL)"
@@ -32,6 +35,39 @@ _CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_aft
                       "status, implicit, memory_limit, network_policy")
 _FILE_COLUMNS = "tenant, container_id, path, created_at, size, source, etag"
 _UPLOAD_COLUMNS = "tenant, id, filename, size, created_at, purpose, mime_type, extra"
+
+
+def _where(url: str) -> str:
+    """host:port/database of a URL, never its password (for messages)."""
+    parts = urlsplit(url)
+    return f"{parts.hostname or 'localhost'}:{parts.port or 5432}{parts.path or ''}"
+
+
+async def _check(url: str, timeout: float) -> str | None:
+    try:
+        db = await asyncpg.connect(url, timeout=timeout)
+    except (OSError, asyncio.TimeoutError, asyncpg.PostgresError,
+            asyncpg.InterfaceError) as exc:
+        reason = str(exc).strip() or type(exc).__name__
+        return f"cannot reach the metadata database at {_where(url)}: {reason}"
+    try:
+        exists = await db.fetchval("SELECT to_regclass('shoal_schema') IS NOT NULL")
+        version = await db.fetchval("SELECT max(version) FROM shoal_schema") if exists else 0
+    except asyncpg.PostgresError as exc:
+        return f"cannot read the metadata database at {_where(url)}: {exc}"
+    finally:
+        await db.close()
+    if (version or 0) > SCHEMA_VERSION:
+        return (f"the metadata database at {_where(url)} holds schema version {version}, "
+                f"written by a newer Shoal; this one knows up to {SCHEMA_VERSION}: upgrade "
+                "Shoal, or restore the backup taken before the upgrade")
+    return None
+
+
+def database_problem(url: str, timeout: float = 10.0) -> str | None:
+    """Why this Shoal cannot serve from the database at ``url`` (checked before
+    serving, so an unreachable database is one line, not a traceback)."""
+    return asyncio.run(_check(url, timeout))
 
 
 def _postgres_step(sql: str) -> str:
@@ -102,10 +138,11 @@ class PostgresMetadataStore(MetadataStore):
             "network_policy = EXCLUDED.network_policy", *_container_values(record))
 
     async def create_container(self, record: ContainerRecord) -> bool:
-        """Insert ``record`` unless a container of that id exists: whether it did."""
+        """Insert ``record`` unless a live container of that id exists: whether it did."""
         status = await self.pool.execute(
             f"INSERT INTO containers ({_CONTAINER_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10) "
-            "ON CONFLICT (tenant, id) DO NOTHING", *_container_values(record))
+            "ON CONFLICT (tenant, id) DO UPDATE SET "
+            + _TAKE_OVER.replace("?", "$11"), *_container_values(record), record.created_at)
         return status == "INSERT 0 1"
 
     async def get_container(self, tenant: str, container_id: str) -> ContainerRecord | None:

@@ -117,6 +117,11 @@ def schema_problem(path: Path) -> str | None:
 
 _CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_after_minutes, "
                       "status, implicit, memory_limit, network_policy")
+# create_container's upsert: a row that is no container any more (deleted, or
+# expired by the clock, the last parameter) is replaced; a live one is kept.
+_TAKE_OVER = (", ".join(f"{c} = excluded.{c}" for c in _CONTAINER_COLUMNS.split(", ")[2:])
+              + " WHERE containers.status <> 'active' OR containers.last_active_at"
+              " + containers.expires_after_minutes * 60 <= ?")
 
 
 def _container(row) -> ContainerRecord:
@@ -241,10 +246,11 @@ class SqliteMetadataStore(MetadataStore):
 
     async def create_container(self, record: ContainerRecord) -> bool:
         cursor = await self.db.execute(
-            f"INSERT OR IGNORE INTO containers ({_CONTAINER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT INTO containers ({_CONTAINER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?) "
+            f"ON CONFLICT (tenant, id) DO UPDATE SET {_TAKE_OVER}",
             (record.tenant, record.id, record.name, record.created_at, record.last_active_at,
              record.expires_after_minutes, record.status, int(record.implicit), record.memory_limit,
-             record.network_policy))
+             record.network_policy, record.created_at))
         await self.db.commit()
         return cursor.rowcount == 1
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving import SHOAL, Server, start_server
+from tests.serving import SHOAL, Server, free_port, start_server
 
 TOKEN, OPERATOR = "tok-acme-operability", "tok-operator-operability"
 OUTPUTS = "/mnt/user-data/outputs"
@@ -362,6 +362,20 @@ def _one_clear_line(outcome: subprocess.CompletedProcess, *words: str) -> None:
 ])
 def test_a_bad_setting_is_one_line_and_exit_2(tmp_path, flags, words):
     _one_clear_line(_refused(tmp_path, *flags), "invalid setting", *words)
+
+
+@pytest.mark.parametrize("url, words", [
+    ("mysql://shoal:hunter2@127.0.0.1/db", ("--database-url=(not shown)", "postgresql://")),
+    ("@/nonexistent/database-url", ("cannot read /nonexistent/database-url",)),
+    # Nothing listens there: the server says so before it serves, password unsaid.
+    ("postgresql://shoal:hunter2@127.0.0.1:{port}/shoal",
+     ("cannot reach the metadata database at 127.0.0.1:{port}/shoal",)),
+])
+def test_a_database_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, url, words):
+    port = str(free_port())
+    outcome = _refused(tmp_path, "--database-url", url.replace("{port}", port))
+    _one_clear_line(outcome, *(word.replace("{port}", port) for word in words))
+    assert "hunter2" not in outcome.stderr
 
 
 def test_a_bad_environment_variable_is_named(tmp_path):

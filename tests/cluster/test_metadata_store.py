@@ -69,6 +69,22 @@ async def test_create_container_refuses_an_existing_id(store):
     assert await store.create_container(container(tenant="beta")) is True  # ids are per tenant
 
 
+async def test_create_container_replaces_only_a_container_that_is_gone(store):
+    await store.put_container(container(id="cnt_old", expires_after_minutes=1,
+                                        last_active_at=time.time() - 120))
+    deleted = container(id="cnt_gone", status="deleted")
+    await store.put_container(deleted)
+    live = container(id="cnt_live")
+    await store.put_container(live)
+    # Expired by the clock, or deleted: the id is free again, and the new row wins.
+    assert await store.create_container(container(id="cnt_old", name="new")) is True
+    assert await store.create_container(container(id="cnt_gone", name="new")) is True
+    assert await store.create_container(container(id="cnt_live", name="new")) is False
+    assert (await store.get_container("alpha", "cnt_old")).name == "new"
+    assert (await store.get_container("alpha", "cnt_gone")).status == "active"
+    assert (await store.get_container("alpha", "cnt_live")).name == "box"
+
+
 async def test_files_uploads_runs_responses(store):
     await store.put_container(container())
     files = [FileRecord("alpha", "cnt_1", f"/mnt/data/{name}", time.time() + i, 3 + i, "user", None)

@@ -1,0 +1,81 @@
+"""Front ends on one PostgreSQL database: ``shoal serve --database-url``.
+
+Real servers on a real PostgreSQL. What is shown: the metadata lives in the
+database (it survives the front end, and is what another front end reads), two
+front ends creating one client-named container make exactly one, and a
+database that cannot be used stops the server at start-up in one line
+(tests/api/test_operability.py, which needs no database).
+Container files still live on the front end that wrote them; the object store
+is what will share those (issue 15).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import asyncpg
+import pytest
+
+from tests.serving import start_server
+
+pytestmark = pytest.mark.cluster
+
+
+def rows(url: str, sql: str) -> list:
+    async def fetch():
+        db = await asyncpg.connect(url)
+        try:
+            return [tuple(row) for row in await db.fetch(sql)]
+        finally:
+            await db.close()
+    return asyncio.run(fetch())
+
+
+def test_metadata_lives_in_the_database_and_outlives_the_front_end(postgres_url, tmp_path):
+    server = start_server(tmp_path, uid_base=960_000, database_url=postgres_url, pool_size=1)
+    try:
+        with server.client() as http:
+            made = http.post("/v1/containers", json={"name": "kept"})
+            assert made.status_code == 200, made.text
+            container_id = made.json()["id"]
+    finally:
+        server.stop()
+    # In the database, not in the data directory's SQLite file.
+    assert rows(postgres_url, "SELECT id, name, status FROM containers") == [
+        (container_id, "kept", "active")]
+    assert not (server.data_dir / "shoal.sqlite3").exists()
+    again = start_server(tmp_path, uid_base=960_000, data_dir=server.data_dir,
+                         database_url=postgres_url, pool_size=1)
+    try:
+        with again.client() as http:
+            listed = http.get("/v1/containers").json()["data"]
+            assert [c["id"] for c in listed] == [container_id]
+    finally:
+        again.stop()
+
+
+def test_two_front_ends_share_containers_and_never_both_create_one(postgres_url, tmp_path):
+    first = start_server(tmp_path / "a", uid_base=961_000, database_url=postgres_url, pool_size=1)
+    second = start_server(tmp_path / "b", uid_base=962_000, database_url=postgres_url, pool_size=1)
+    try:
+        with first.client() as one, second.client() as two:
+            made = one.post("/v1/containers", json={"name": "shared"}).json()
+            seen = two.get(f"/v1/containers/{made['id']}")
+            assert seen.status_code == 200 and seen.json()["name"] == "shared", seen.text
+            # Zylon's threads name their container: both front ends, at once, on
+            # ids no container has yet. Each id ends up one container, and every
+            # write is acknowledged.
+            for round in range(5):
+                thread = f"thread-{round}"
+                with concurrent.futures.ThreadPoolExecutor(8) as workers:
+                    answers = list(workers.map(
+                        lambda i: (one, two)[i % 2].put(
+                            f"/api/v1/app/thread/{thread}/put-file/f{i}.txt", content=b"x"),
+                        range(8)))
+                assert [a.status_code for a in answers] == [201] * 8, [a.text for a in answers]
+                assert rows(postgres_url, "SELECT count(*) FROM containers WHERE id = "
+                            f"'{thread}'") == [(1,)]
+    finally:
+        first.stop()
+        second.stop()

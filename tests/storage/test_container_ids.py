@@ -1,0 +1,66 @@
+"""Client-named containers (Zylon's threads, Files API scopes): made once, and a
+name freed by expiry starts empty.
+
+The container manager on a real SQLite store and real ext4 volumes. A client's
+id may name a container that expired while no reaper ran (the server was down,
+or the reaper had not come round yet): creating it again must not hand the new
+container the old one's files. Requests racing to create one id make one
+container, and each gets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from pathlib import Path
+
+import pytest
+
+from shoal.config import MiB, Settings
+from shoal.sandbox.files import FileMissing, SandboxPath
+from shoal.sandbox.mounts import OUTPUTS
+from shoal.sessions import ContainerExists, ContainerManager
+from shoal.storage import ContainerRecord, LocalFileStore, SqliteMetadataStore
+
+OLD_FILE = SandboxPath(OUTPUTS, ("old.txt",))
+
+
+@pytest.fixture
+async def manager(tmp_path):
+    settings = Settings(data_dir=tmp_path / "data", run_dir=Path("/run/shoal-test"))
+    metadata = SqliteMetadataStore(tmp_path / "shoal.sqlite3")
+    await metadata.open()
+    files = LocalFileStore(settings.data_dir, settings.run_dir, 64 * MiB, MiB)
+    yield ContainerManager(settings, None, metadata, files)
+    for tenant, container_id in (("alpha", "thread-1"), ("alpha", "thread-2")):
+        files.destroy(tenant, container_id)
+    files.close()
+    await metadata.close()
+
+
+async def test_a_client_id_freed_by_expiry_starts_empty(manager):
+    # A container used an hour ago with a one-minute TTL, whose files are still
+    # there: no reaper has retired it.
+    hour_ago = time.time() - 3600
+    await manager.metadata.put_container(ContainerRecord(
+        tenant="alpha", id="thread-1", name=None, created_at=hour_ago,
+        last_active_at=hour_ago, expires_after_minutes=1))
+    manager.files.files("alpha", "thread-1", 0).write(OLD_FILE, io.BytesIO(b"old secrets"))
+    assert manager.files.files("alpha", "thread-1", 0).stat(OLD_FILE).size == 11  # control
+
+    fresh = await manager.get_or_create("alpha", "thread-1")
+    assert fresh.created_at > hour_ago and fresh.expires_at > time.time()
+    with pytest.raises(FileMissing):
+        manager.files.files("alpha", "thread-1", 0).stat(OLD_FILE)
+    assert (await manager.metadata.get_container("alpha", "thread-1")).status == "active"
+
+
+async def test_a_live_client_id_is_never_created_twice(manager):
+    first = await manager.create("alpha", "thread-2", implicit=True)
+    with pytest.raises(ContainerExists):
+        await manager.create("alpha", "thread-2", implicit=True)
+    # Racing requests for one new id all get the one container.
+    made = await asyncio.gather(*(manager.get_or_create("alpha", "thread-1") for _ in range(8)))
+    assert {(r.id, r.created_at) for r in made} == {(made[0].id, made[0].created_at)}
+    assert (await manager.get_or_create("alpha", "thread-2")).created_at == first.created_at
