@@ -305,6 +305,13 @@ def _reseed() -> None:
 
 
 def _run_agent(spec: dict, channel_fd: int) -> None:
+    # The agent is a Python like any other: SIGPIPE ignored, as CPython sets it at
+    # start-up, so a write nobody reads raises BrokenPipeError. Its parent, pid 1,
+    # had reset it to the default, which would kill the interpreter (and the
+    # session's state) on the first such write: a relay to a closed connection,
+    # user code writing to a finished pipe. Children it starts get the default
+    # back from subprocess, as anywhere.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     _reseed()
     os.environ.clear()
     os.environ.update(spec["env"])

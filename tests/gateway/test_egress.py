@@ -69,13 +69,18 @@ def services():
         service.server_close()
 
 
+# Long enough that a busy machine still starts Python and imports anthropic in
+# the sandbox within it; test_a_token_expires then sleeps past it.
+TOKEN_SECONDS = 10
+
+
 @pytest.fixture(scope="module")
 def egress_server(gateway_factory, services):
     allowed, named_only = services
     # 127.0.0.1:PORT names the address; localhost:PORT2 names only a name, which
     # resolves to loopback: the broker must refuse it.
     return gateway_factory(egress_allow=f"127.0.0.1:{allowed.port},localhost:{named_only.port}",
-                           model_token_seconds=4, model_token_requests=3,
+                           model_token_seconds=TOKEN_SECONDS, model_token_requests=3,
                            operator_tokens=OPERATOR_TOKEN)
 
 
@@ -336,15 +341,18 @@ def test_a_token_expires(egress_server, upstream):
                                 if b.get("type") == "tool_result"][-1]["content"]))
         return anthropic_turn(text("done"))
 
+    # The token is issued before the command starts: sleeping until TOKEN_SECONDS
+    # after the command's own start is past its expiry, however slow the start.
     code = ("import os, time, anthropic\n"
             "c = anthropic.Anthropic(max_retries=0)\n"
             "m = dict(model='m', max_tokens=8, messages=[{'role': 'user', 'content': 'x'}])\n"
             "print(c.messages.create(**m).content[0].text)\n"
-            "time.sleep(5)\n"
+            f"time.sleep(max(0, float(os.environ['STARTED']) + {TOKEN_SECONDS} + 0.5 - time.time()))\n"
             "try:\n    c.messages.create(**m)\nexcept anthropic.AuthenticationError as e:\n"
             "    print('refused', e.status_code)\n")
     upstream.script(anthropic_turn(tool_use("bash_code_execution", {
-        "command": f"cat > expiry.py <<'EOF'\n{code}EOF\npython3 expiry.py"})),
+        "command": f"export STARTED=$(date +%s.%N)\ncat > expiry.py <<'EOF'\n{code}EOF\n"
+                   "python3 expiry.py"})),
         anthropic_turn(text("first")), final)
     message = client.messages.create(model="m", max_tokens=64, tools=[TOOL],
                                      messages=[{"role": "user", "content": "go"}])

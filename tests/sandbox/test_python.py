@@ -136,6 +136,26 @@ async def test_syntax_error_runs_nothing(sandbox):
     assert (await ok(sandbox, "print(counter)")).stdout == "0\n"
 
 
+async def test_a_broken_pipe_is_an_exception_not_the_end_of_the_interpreter(sandbox):
+    # As in any Python, SIGPIPE is ignored: a write to a pipe or socket nobody
+    # reads raises BrokenPipeError. (A zygote's fork once inherited the default
+    # action, and such a write killed the interpreter and its state with it.)
+    await sandbox.run_python("kept = 42")
+    result = await sandbox.run_python(
+        "import os, socket\n"
+        "r, w = os.pipe(); os.close(r)\n"
+        "try:\n    os.write(w, b'x')\nexcept BrokenPipeError:\n    print('pipe: BrokenPipeError')\n"
+        "a, b = socket.socketpair(); b.close()\n"
+        "try:\n    a.send(b'x')\nexcept BrokenPipeError:\n    print('socket: BrokenPipeError')\n"
+        "print(kept)")
+    assert result.stdout.splitlines() == ["pipe: BrokenPipeError", "socket: BrokenPipeError",
+                                          "42"], result.stderr
+    assert not result.restarted
+    # Child processes get the default action back, as subprocess gives them anywhere.
+    shell = await sandbox.run_bash("yes | head -c 1 >/dev/null; echo ${PIPESTATUS[0]}")
+    assert shell.stdout == "141\n", shell.stderr  # 128 + SIGPIPE: killed by it, as usual
+
+
 async def test_sys_exit_with_code_keeps_state(sandbox):
     await ok(sandbox, "survivor = 123")
     result = await sandbox.run_python("import sys\nprint('bye')\nsys.exit(3)\nprint('never')")
