@@ -52,7 +52,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 # Settings whose value may hold a password or key: an error never echoes them.
 _SECRET_SETTINGS = {"database_url", "tokens", "operator_tokens", "upstream_anthropic_key",
-                    "upstream_openai_key"}
+                    "upstream_openai_key", "object_store_access_key", "object_store_secret_key"}
 
 
 def _plain(error: dict) -> str:

@@ -28,6 +28,17 @@ class Settings(BaseSettings):
                               "'@/path/file' holding it (keeps the password out of ps). "
                               "Front ends sharing one database share containers, uploads and "
                               "runs' records.")
+    object_store: str = Field("", description="Tenants' Files API uploads in an S3-compatible "
+                              "object store rather than the data directory: 's3://bucket' or "
+                              "'s3://bucket/prefix'. Front ends sharing it (and one database) "
+                              "serve each other's uploads.")
+    object_store_endpoint: str = Field("", description="The object store's URL (e.g. a "
+                                       "SeaweedFS or MinIO S3 gateway); empty: AWS S3.")
+    object_store_region: str = Field("us-east-1", description="The object store's region.")
+    object_store_access_key: str = Field("", description="Access key id for the object store "
+                                         "(or '@/path/file'); empty: the AWS_* environment.")
+    object_store_secret_key: str = Field("", description="Secret key for the object store, or "
+                                         "'@/path/file' holding it.")
     tokens: str = Field("", description="Bearer tokens: 'tok1=tenant-a,tok2=tenant-b', "
                                         "or '@/path/file' with one 'token=tenant' per line. "
                                         "Empty: no authentication.")
@@ -195,6 +206,14 @@ class Settings(BaseSettings):
                              "(or '@/path/file' holding one)")
         return url
 
+    @field_validator("object_store")
+    @classmethod
+    def _check_object_store(cls, value: str) -> str:
+        url = value.strip()
+        if url and (not url.startswith("s3://") or not url[5:].split("/", 1)[0]):
+            raise ValueError("an object store is s3://bucket or s3://bucket/prefix")
+        return url
+
     @field_validator("preload_modules")
     @classmethod
     def _strip_modules(cls, value: str) -> str:
@@ -209,6 +228,15 @@ class Settings(BaseSettings):
     def egress_enabled(self) -> bool:
         """Whether sandboxes get the relay and the broker at all."""
         return bool(self.egress_allow.strip()) or self.model_upstream
+
+    def object_store_config(self) -> dict | None:
+        """The object store's settings, secrets read (``@file``); None: no store."""
+        if not self.object_store:
+            return None
+        return {"url": self.object_store, "endpoint": self.object_store_endpoint,
+                "region": self.object_store_region,
+                "access_key": read_secret(self.object_store_access_key),
+                "secret_key": read_secret(self.object_store_secret_key)}
 
     @property
     def preload(self) -> list[str]:

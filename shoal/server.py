@@ -44,12 +44,18 @@ def startup_problems(settings: Settings) -> list[str]:
     except TokenConfigError as exc:
         found.append(str(exc))
     from .config import read_secret
-    from .storage import metadata_problem
+    from .storage import files_problem, metadata_problem
 
     try:
         problem = metadata_problem(settings.data_dir, read_secret(settings.database_url))
     except ValueError as exc:  # an '@file' that cannot be read
         problem = f"database_url: {exc}"
+    if problem:
+        found.append(problem)
+    try:
+        problem = files_problem(settings.object_store_config())
+    except ValueError as exc:
+        problem = f"object store: {exc}"
     if problem:
         found.append(problem)
     return found

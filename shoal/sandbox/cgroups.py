@@ -111,14 +111,23 @@ class Cgroup:
         self._unthrottle()
         unified = self.directories.get("unified")
         kill_file = unified / "cgroup.kill" if unified else None
+        if kill_file is not None and not kill_file.exists():  # kernels before 5.14
+            kill_file = None
         deadline = time.monotonic() + timeout
+        killed_at = None
+        pause = 0.0005
         while True:
             pids = self.pids()
             if not pids:
                 return
-            if kill_file is not None and kill_file.exists():
+            now = time.monotonic()
+            # cgroup.kill takes the whole group at once, forks in flight included:
+            # one write does it (again every 100 ms, belt and braces). Without it,
+            # each process is signalled on every pass, since one may have forked.
+            if kill_file is not None and (killed_at is None or now - killed_at > 0.1):
                 try:
                     kill_file.write_text("1")
+                    killed_at = now
                 except OSError:
                     kill_file = None
             if kill_file is None:
@@ -127,9 +136,12 @@ class Cgroup:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-            if time.monotonic() > deadline:
+            if now > deadline:
                 raise TimeoutError(f"processes {pids} survived SIGKILL")
-            time.sleep(0.001)
+            # Dying takes a large process a few milliseconds (unmapping its memory):
+            # look again soon, then less often, rather than spin on the group.
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     def remove(self) -> None:
         """Remove the group's directories; the group must be empty."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,9 +149,21 @@ class SandboxHome:
             raise OSError(f"could not hand the files to uid {uid}: {result.stderr.strip()[:500]}")
 
 
+_etc_cache: tuple[float, list[Path]] = (float("-inf"), [])
+
+
 def etc_entries() -> list[Path]:
-    """The host /etc entries every sandbox sees, read-only."""
-    return sorted({path for entry in _ETC_ENTRIES for path in Path("/etc").glob(entry)})
+    """The host /etc entries every sandbox sees, read-only.
+
+    Globbing /etc is a few milliseconds on the event loop for every launch;
+    the answer is kept for a minute (a package installed meanwhile shows up in
+    sandboxes started after that)."""
+    global _etc_cache
+    now = time.monotonic()
+    if now - _etc_cache[0] > 60:
+        _etc_cache = (now, sorted({path for entry in _ETC_ENTRIES
+                                   for path in Path("/etc").glob(entry)}))
+    return list(_etc_cache[1])
 
 
 def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,

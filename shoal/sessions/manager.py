@@ -45,7 +45,7 @@ class SessionManager:
         self.pool = pool or SandboxPool(settings)
         self.metadata = open_metadata(settings.data_dir, read_secret(settings.database_url))
         self.files = open_files(settings.data_dir, settings.run_dir, settings.disk_limit_mib * MiB,
-                                settings.max_file_bytes)
+                                settings.max_file_bytes, settings.object_store_config())
         self.containers = ContainerManager(settings, self.pool, self.metadata, self.files)
         self.container_files = ContainerFiles(self.containers, self.metadata)
         self.uploads = Uploads(self.metadata, self.files, settings.tenant_max_upload_bytes)

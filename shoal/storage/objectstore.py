@@ -1,0 +1,157 @@
+"""Tenants' uploads in an S3-compatible object store (cluster mode).
+
+With ``--object-store s3://bucket[/prefix]``, a Files API upload is written to
+the bucket, its MD5 checked by the store, before the upload is acknowledged;
+any front end sharing the bucket (and the metadata database) serves it. What
+lives here is only the bytes: names, sizes and owners stay in the metadata
+store, as for the embedded store.
+
+Containers' files stay on the local volumes (:class:`.filestore.LocalFileStore`,
+to which this store hands every container call): a sandbox works on a mounted
+filesystem, not on objects, and moving a container between hosts is the
+snapshot-and-restore part of cluster mode, still to come.
+
+Keys are hashes of the tenant and the upload id, as on disk: nothing a client
+chose becomes part of a key as it is. boto3 is the client (imported only where
+an object store is configured); its calls block, and the sessions layer runs
+them in threads, as it does the local store's.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from shoal.sandbox import FileMissing, FileTooLarge, SandboxFiles
+from shoal.sandbox.mounts import SandboxHome
+
+from .filestore import FileStore, LocalFileStore, _key
+
+_CHUNK = 1 << 20
+# Uploads up to this size are spooled in memory before they are sent; larger
+# ones on the data directory's disk (the store needs the whole body's MD5 first).
+_SPOOL_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class ObjectStoreConfig:
+    url: str  # s3://bucket[/prefix]
+    endpoint: str = ""
+    region: str = "us-east-1"
+    access_key: str = ""
+    secret_key: str = ""
+
+    @property
+    def bucket(self) -> str:
+        return self.url[5:].split("/", 1)[0]
+
+    @property
+    def prefix(self) -> str:
+        rest = self.url[5:].partition("/")[2].strip("/")
+        return f"{rest}/" if rest else ""
+
+    def where(self) -> str:
+        """The store, named for messages (never its keys)."""
+        return f"{self.url} at {self.endpoint}" if self.endpoint else self.url
+
+    def client(self):
+        credentials = {}
+        if self.access_key or self.secret_key:
+            credentials = {"aws_access_key_id": self.access_key,
+                           "aws_secret_access_key": self.secret_key}
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint or None, region_name=self.region,
+            config=Config(retries={"max_attempts": 3, "mode": "standard"},
+                          connect_timeout=5, read_timeout=60,
+                          s3={"addressing_style": "path"}),
+            **credentials)
+
+
+def object_store_problem(config: ObjectStoreConfig) -> str | None:
+    """Why the bucket cannot be used (checked before serving), or None."""
+    try:
+        config.client().head_bucket(Bucket=config.bucket)
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        reason = {"404": "no such bucket", "NoSuchBucket": "no such bucket",
+                  "403": "access denied (check the keys)"}.get(code, str(exc))
+        return f"cannot use the object store {config.where()}: {reason}"
+    except (BotoCoreError, ValueError) as exc:
+        return f"cannot reach the object store {config.where()}: {exc}"
+    return None
+
+
+class ObjectStoreFiles(FileStore):
+    """Uploads in the bucket; containers on the local volumes underneath."""
+
+    def __init__(self, local: LocalFileStore, config: ObjectStoreConfig, spool_dir: Path,
+                 max_file_bytes: int) -> None:
+        self._local = local
+        self._config = config
+        self._client = config.client()
+        self._spool_dir = spool_dir
+        self._max_file_bytes = max_file_bytes
+
+    # -- containers: the local store's ------------------------------------------------
+    def home(self, tenant: str, container_id: str) -> SandboxHome:
+        return self._local.home(tenant, container_id)
+
+    def files(self, tenant: str, container_id: str, uid: int) -> SandboxFiles:
+        return self._local.files(tenant, container_id, uid)
+
+    def detach(self, tenant: str, container_id: str) -> None:
+        self._local.detach(tenant, container_id)
+
+    def destroy(self, tenant: str, container_id: str) -> None:
+        self._local.destroy(tenant, container_id)
+
+    def usage(self) -> tuple[int, int]:
+        return self._local.usage()
+
+    def close(self) -> None:
+        self._local.close()
+
+    # -- uploads: the bucket's ---------------------------------------------------------
+    def _object_key(self, tenant: str, upload_id: str) -> str:
+        return f"{self._config.prefix}uploads/{_key(tenant, 16)}/{_key(upload_id, 32)}"
+
+    def write_upload(self, tenant: str, upload_id: str, source: BinaryIO) -> int:
+        self._spool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        digest = hashlib.md5(usedforsecurity=False)
+        written = 0
+        with tempfile.SpooledTemporaryFile(_SPOOL_BYTES, dir=self._spool_dir) as spool:
+            while chunk := source.read(_CHUNK):
+                written += len(chunk)
+                if written > self._max_file_bytes:
+                    raise FileTooLarge(f"file is larger than {self._max_file_bytes} bytes")
+                digest.update(chunk)
+                spool.write(chunk)
+            spool.seek(0)
+            # The store checks the MD5 and refuses a body that arrived otherwise:
+            # what is acknowledged is what was sent.
+            self._client.put_object(
+                Bucket=self._config.bucket, Key=self._object_key(tenant, upload_id), Body=spool,
+                ContentLength=written, ContentMD5=base64.b64encode(digest.digest()).decode())
+        return written
+
+    def open_upload(self, tenant: str, upload_id: str) -> tuple[BinaryIO, int]:
+        try:
+            found = self._client.get_object(Bucket=self._config.bucket,
+                                            Key=self._object_key(tenant, upload_id))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise FileMissing(f"no such file: {upload_id}") from None
+            raise
+        return found["Body"], int(found["ContentLength"])
+
+    def delete_upload(self, tenant: str, upload_id: str) -> None:
+        self._client.delete_object(Bucket=self._config.bucket,
+                                   Key=self._object_key(tenant, upload_id))
