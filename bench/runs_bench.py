@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/runs_bench.py [--runs 200] [--launcher bwrap|zygote]
 
+(the launcher defaults to the server's own default, the zygote)
+
 Starts a real ``shoal serve`` and measures, with one keep-alive ``httpx``
 client for every figure (so the client's own cost is the same in each):
 
@@ -91,11 +93,13 @@ def tool_round_trips(http: httpx.Client, calls: int) -> tuple[list[float], list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)
-    parser.add_argument("--launcher", default="bwrap")
+    parser.add_argument("--launcher", default=None,
+                        help="bwrap or zygote; default: the server's own default (zygote)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
+        chosen = {"launcher": args.launcher} if args.launcher else {}
         server = start_server(Path(scratch), uid_base=910_000, pool_size=4, max_sessions=16,
-                              launcher=args.launcher)
+                              **chosen)
         try:
             with httpx.Client(base_url=server.url, timeout=60) as http:
                 wait_warm(http, 4)
