@@ -33,7 +33,8 @@ from shoal.runs import CallbackNotAllowed, InvalidTools, RunConflict, UnknownRun
 from shoal.sandbox import DiskFull, PoolBusy, UidsExhausted
 from shoal.sandbox.launcher import LaunchFailed
 from shoal.sessions import (AtCapacity, CallTooLarge, FileAccessError, InvalidContainer,
-                            SandboxClosed, TenantQuotaExceeded, UnknownContainer, UnknownSession)
+                            SandboxClosed, StoreUnavailable, TenantQuotaExceeded, UnknownContainer,
+                            UnknownSession)
 
 log = logging.getLogger("shoal.api")
 
@@ -190,6 +191,7 @@ def install(app: FastAPI) -> None:
     exhausted(UidsExhausted, 503)
     exhausted(TenantQuotaExceeded, 429)
     exhausted(DiskFull, 503, "the server's disk cannot back another sandbox now; retry later")
+    exhausted(StoreUnavailable, 503)
     handler(UpstreamNotConfigured, 501)()
 
     @handler(UpstreamError)

@@ -163,7 +163,8 @@ def etc_entries() -> list[Path]:
     if now - _etc_cache[0] > 60:
         _etc_cache = (now, sorted({path for entry in _ETC_ENTRIES
                                    for path in Path("/etc").glob(entry)}))
-    return list(_etc_cache[1])
+    # A cached entry a package removal took away would fail every launch: checked.
+    return [path for path in _etc_cache[1] if os.path.lexists(path)]
 
 
 def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,

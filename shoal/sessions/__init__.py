@@ -6,6 +6,7 @@ or the pool directly.
 
 from shoal.sandbox import (CallTooLarge, ExecResult, FileAccessError, Limit, ProducedFile, SandboxClosed,
                            guess_mime_type)
+from shoal.storage import StoreUnavailable
 
 from .container_files import (ContainerFile, ContainerFiles, InvalidKey, parse_scoped_file_id,
                               path_for_key, scoped_file_id)
@@ -21,5 +22,5 @@ __all__ = [
     "path_for_key", "scoped_file_id",
     "ContainerExists", "ContainerManager", "InvalidContainer", "TenantQuotaExceeded", "UnknownContainer", "UnknownSkill",
     "AtCapacity", "ExecResult", "FileAccessError", "Limit", "ProducedFile", "SandboxClosed",
-    "Session", "SessionManager", "UnknownSession", "guess_mime_type",
+    "Session", "SessionManager", "StoreUnavailable", "UnknownSession", "guess_mime_type",
 ]

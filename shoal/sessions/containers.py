@@ -20,7 +20,7 @@ import re
 import secrets
 import shutil
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shoal.config import Settings
@@ -81,6 +81,7 @@ class ContainerManager:
         self._started_here: set[tuple[str, str]] = set()
         self._touch_written: dict[tuple[str, str], float] = {}
         self._records: dict[tuple[str, str], ContainerRecord] = {}
+        self._creating: dict[tuple[str, str], asyncio.Lock] = {}
         self._server_started = time.time()
 
     # -- records --------------------------------------------------------------------
@@ -117,27 +118,47 @@ class ContainerManager:
         elif not _CLIENT_ID.match(container_id):
             raise InvalidContainer("a container id is 1 to 128 letters, digits, '.', '_', ':' "
                                    "or '-', starting with a letter or digit")
-        else:
-            # A client's id may name a container that expired and was not reaped
-            # yet: it goes first, so the new one starts empty, never with its files.
-            old = await self.metadata.get_container(tenant, container_id)
-            if old is not None and old.status == "active" and old.expires_at <= time.time():
-                await self._retire(self.current(old), "expired")
-        now = time.time()
-        record = ContainerRecord(tenant=tenant, id=container_id, name=name, created_at=now,
-                                 last_active_at=now, expires_after_minutes=self._check_minutes(minutes),
-                                 implicit=implicit, memory_limit=memory_limit,
-                                 network_policy=network_policy)
-        # Insert-if-absent: of two front ends (or requests) creating the same id,
-        # one makes it; the other is told it exists.
-        if not await self.metadata.create_container(record):
-            raise ContainerExists(f"a container {container_id!r} exists already")
-        self._records[(tenant, container_id)] = record
-        return record
+        key = (tenant, container_id)
+        lock = self._creating.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:  # one check-retire-insert per id at a time, here
+                now = time.time()
+                # A client's id may name a container that expired and was not
+                # reaped yet: it goes first, so the new one starts empty.
+                old = await self.metadata.get_container(tenant, container_id)
+                if old is not None and old.status == "active":
+                    old = self.current(old)
+                    live = self._live.get(key)
+                    if live is not None and live.users and not live.sandbox.closed:
+                        # A call still runs in it: in use is not expired.
+                        await self.touch(old)
+                        raise ContainerExists(f"a container {container_id!r} exists already")
+                    if old.expires_at <= now:
+                        await self._retire(old, "expired")
+                elif old is not None:
+                    # Deleted or expired before: files a retirement cut short (a
+                    # crash between its two steps) must not become the new one's.
+                    await asyncio.to_thread(self.files.destroy, tenant, container_id)
+                record = ContainerRecord(
+                    tenant=tenant, id=container_id, name=name, created_at=now, last_active_at=now,
+                    expires_after_minutes=self._check_minutes(minutes), implicit=implicit,
+                    memory_limit=memory_limit, network_policy=network_policy)
+                # Insert-if-absent: of two front ends creating the same id, one
+                # makes it; the other is told it exists.
+                if not await self.metadata.create_container(record):
+                    self._records.pop(key, None)  # whatever is cached here is stale
+                    raise ContainerExists(f"a container {container_id!r} exists already")
+                self._records[key] = record
+                return record
+        finally:
+            if not lock.locked() and self._creating.get(key) is lock:
+                del self._creating[key]
 
     async def get(self, tenant: str, container_id: str) -> ContainerRecord:
         record = self._records.get((tenant, container_id))
-        if record is None:
+        if record is None or record.status != "active" or record.expires_at <= time.time():
+            # Not known here, or gone by what is known here: the store says (another
+            # front end may have made the id anew).
             record = await self.metadata.get_container(tenant, container_id)
         if record is None or record.status != "active" or record.expires_at <= time.time():
             raise UnknownContainer(f"no container {container_id!r}")
@@ -185,9 +206,11 @@ class ContainerManager:
             await live.sandbox.close()
         self._records.pop(key, None)
         self._touch_written.pop(key, None)
+        # This container, by its creation time: never one made anew under its id.
+        if not await self.metadata.retire_container(record, status):
+            return
         await asyncio.to_thread(self.files.destroy, record.tenant, record.id)
         await self.metadata.delete_container_files(record.tenant, record.id)
-        await self.metadata.put_container(_with_status(record, status))
 
     # -- sandboxes --------------------------------------------------------------------
     async def acquire(self, record: ContainerRecord) -> tuple[Sandbox, bool]:
@@ -282,10 +305,6 @@ class ContainerManager:
         lives, self._live = list(self._live.values()), {}
         await asyncio.gather(*(live.sandbox.close() for live in lives), return_exceptions=True)
         await asyncio.to_thread(self.files.close)
-
-
-def _with_status(record: ContainerRecord, status: str) -> ContainerRecord:
-    return replace(record, status=status)
 
 
 def _lay_out_skills(target: Path, folders: list[Path]) -> None:

@@ -23,6 +23,11 @@ from shoal.sandbox.volumes import Volume, mounts_under, unmount
 _CHUNK = 1 << 20
 
 
+class StoreUnavailable(RuntimeError):
+    """The store behind the files cannot be used now (an object store that is
+    down, refusing, or answered with something else than it was sent)."""
+
+
 class FileStore(abc.ABC):
     # -- containers ---------------------------------------------------------------
     @abc.abstractmethod

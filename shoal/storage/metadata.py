@@ -100,6 +100,12 @@ class MetadataStore(abc.ABC):
         """Insert or replace."""
 
     @abc.abstractmethod
+    async def retire_container(self, record: ContainerRecord, status: str) -> bool:
+        """Set the status of exactly this container (its id *and* creation time) if
+        it is still active; whether it was. A container created anew under the
+        same id, here or by another front end, is never retired by mistake."""
+
+    @abc.abstractmethod
     async def create_container(self, record: ContainerRecord) -> bool:
         """Insert ``record`` unless a live container with its id exists (one that is
         active and not expired at ``record.created_at``: a deleted or expired one is

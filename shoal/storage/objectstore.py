@@ -22,7 +22,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import tempfile
-from dataclasses import dataclass
+import contextlib
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,7 +35,9 @@ from botocore.exceptions import BotoCoreError, ClientError
 from shoal.sandbox import FileMissing, FileTooLarge, SandboxFiles
 from shoal.sandbox.mounts import SandboxHome
 
-from .filestore import FileStore, LocalFileStore, _key
+from .filestore import FileStore, LocalFileStore, StoreUnavailable, _key
+
+log = logging.getLogger("shoal.storage")
 
 _CHUNK = 1 << 20
 # Uploads up to this size are spooled in memory before they are sent; larger
@@ -46,8 +50,8 @@ class ObjectStoreConfig:
     url: str  # s3://bucket[/prefix]
     endpoint: str = ""
     region: str = "us-east-1"
-    access_key: str = ""
-    secret_key: str = ""
+    access_key: str = field(default="", repr=False)
+    secret_key: str = field(default="", repr=False)
 
     @property
     def bucket(self) -> str:
@@ -69,8 +73,12 @@ class ObjectStoreConfig:
                            "aws_secret_access_key": self.secret_key}
         return boto3.client(
             "s3", endpoint_url=self.endpoint or None, region_name=self.region,
+            # Content-MD5 is the integrity check every S3-compatible store knows;
+            # botocore's newer default checksums are not (some stores refuse them).
             config=Config(retries={"max_attempts": 3, "mode": "standard"},
-                          connect_timeout=5, read_timeout=60,
+                          connect_timeout=5, read_timeout=60, max_pool_connections=32,
+                          request_checksum_calculation="when_required",
+                          response_checksum_validation="when_required",
                           s3={"addressing_style": "path"}),
             **credentials)
 
@@ -87,6 +95,22 @@ def object_store_problem(config: ObjectStoreConfig) -> str | None:
     except (BotoCoreError, ValueError) as exc:
         return f"cannot reach the object store {config.where()}: {exc}"
     return None
+
+
+@contextlib.contextmanager
+def _store_errors(what: str):
+    """The store's failures as StoreUnavailable (a 503 for the client), logged for
+    the operator; never with keys or credentials."""
+    try:
+        yield
+    except ClientError as exc:
+        error = exc.response.get("Error", {})
+        log.warning("object store refused to %s: %s", what, error.get("Code", "?"))
+        raise StoreUnavailable(f"the file store could not {what} ({error.get('Code', 'error')}); "
+                               "retry later") from None
+    except BotoCoreError as exc:
+        log.warning("object store unreachable to %s: %s", what, type(exc).__name__)
+        raise StoreUnavailable(f"the file store could not {what}; retry later") from None
 
 
 class ObjectStoreFiles(FileStore):
@@ -137,21 +161,25 @@ class ObjectStoreFiles(FileStore):
             spool.seek(0)
             # The store checks the MD5 and refuses a body that arrived otherwise:
             # what is acknowledged is what was sent.
-            self._client.put_object(
-                Bucket=self._config.bucket, Key=self._object_key(tenant, upload_id), Body=spool,
-                ContentLength=written, ContentMD5=base64.b64encode(digest.digest()).decode())
+            with _store_errors("store the upload"):
+                self._client.put_object(
+                    Bucket=self._config.bucket, Key=self._object_key(tenant, upload_id),
+                    Body=spool, ContentLength=written,
+                    ContentMD5=base64.b64encode(digest.digest()).decode())
         return written
 
     def open_upload(self, tenant: str, upload_id: str) -> tuple[BinaryIO, int]:
-        try:
-            found = self._client.get_object(Bucket=self._config.bucket,
-                                            Key=self._object_key(tenant, upload_id))
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                raise FileMissing(f"no such file: {upload_id}") from None
-            raise
+        with _store_errors("read the upload"):
+            try:
+                found = self._client.get_object(Bucket=self._config.bucket,
+                                                Key=self._object_key(tenant, upload_id))
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                    raise FileMissing(f"no such file: {upload_id}") from None
+                raise
         return found["Body"], int(found["ContentLength"])
 
     def delete_upload(self, tenant: str, upload_id: str) -> None:
-        self._client.delete_object(Bucket=self._config.bucket,
-                                   Key=self._object_key(tenant, upload_id))
+        with _store_errors("delete the upload"):
+            self._client.delete_object(Bucket=self._config.bucket,
+                                       Key=self._object_key(tenant, upload_id))

@@ -37,15 +37,24 @@ _FILE_COLUMNS = "tenant, container_id, path, created_at, size, source, etag"
 _UPLOAD_COLUMNS = "tenant, id, filename, size, created_at, purpose, mime_type, extra"
 
 
+_UNPARSABLE = ("the database URL does not parse (percent-encode any of : / @ # ? in the "
+               "user name or password)")
+
+
 def _where(url: str) -> str:
     """host:port/database of a URL, never its password (for messages)."""
-    parts = urlsplit(url)
-    return f"{parts.hostname or 'localhost'}:{parts.port or 5432}{parts.path or ''}"
+    try:
+        parts = urlsplit(url)
+        return f"{parts.hostname or 'localhost'}:{parts.port or 5432}{parts.path or ''}"
+    except ValueError:
+        return "(unparsable URL)"
 
 
 async def _check(url: str, timeout: float) -> str | None:
     try:
         db = await asyncpg.connect(url, timeout=timeout)
+    except ValueError:  # the DSN parser's messages quote pieces of the password
+        return _UNPARSABLE
     except (OSError, asyncio.TimeoutError, asyncpg.PostgresError,
             asyncpg.InterfaceError) as exc:
         reason = str(exc).strip() or type(exc).__name__
@@ -136,6 +145,12 @@ class PostgresMetadataStore(MetadataStore):
             "expires_after_minutes = EXCLUDED.expires_after_minutes, status = EXCLUDED.status, "
             "implicit = EXCLUDED.implicit, memory_limit = EXCLUDED.memory_limit, "
             "network_policy = EXCLUDED.network_policy", *_container_values(record))
+
+    async def retire_container(self, record: ContainerRecord, status: str) -> bool:
+        done = await self.pool.execute(
+            "UPDATE containers SET status = $1 WHERE tenant = $2 AND id = $3 AND created_at = $4 "
+            "AND status = 'active'", status, record.tenant, record.id, record.created_at)
+        return done == "UPDATE 1"
 
     async def create_container(self, record: ContainerRecord) -> bool:
         """Insert ``record`` unless a live container of that id exists: whether it did."""

@@ -244,6 +244,13 @@ class SqliteMetadataStore(MetadataStore):
              record.expires_after_minutes, record.status, int(record.implicit), record.memory_limit,
              record.network_policy))
 
+    async def retire_container(self, record: ContainerRecord, status: str) -> bool:
+        cursor = await self.db.execute(
+            "UPDATE containers SET status = ? WHERE tenant = ? AND id = ? AND created_at = ? "
+            "AND status = 'active'", (status, record.tenant, record.id, record.created_at))
+        await self.db.commit()
+        return cursor.rowcount == 1
+
     async def create_container(self, record: ContainerRecord) -> bool:
         cursor = await self.db.execute(
             f"INSERT INTO containers ({_CONTAINER_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?) "

@@ -367,6 +367,8 @@ def test_a_bad_setting_is_one_line_and_exit_2(tmp_path, flags, words):
 @pytest.mark.parametrize("url, words", [
     ("mysql://shoal:hunter2@127.0.0.1/db", ("--database-url=(not shown)", "postgresql://")),
     ("@/nonexistent/database-url", ("cannot read /nonexistent/database-url",)),
+    # A password with a "/" not percent-encoded: the driver's parser would quote it.
+    ("postgresql://shoal:hunter2/x@127.0.0.1/shoal", ("database URL does not parse",)),
     # Nothing listens there: the server says so before it serves, password unsaid.
     ("postgresql://shoal:hunter2@127.0.0.1:{port}/shoal",
      ("cannot reach the metadata database at 127.0.0.1:{port}/shoal",)),

@@ -85,6 +85,19 @@ async def test_create_container_replaces_only_a_container_that_is_gone(store):
     assert (await store.get_container("alpha", "cnt_live")).name == "box"
 
 
+async def test_retire_container_retires_only_that_container(store):
+    first = container(id="cnt_r")
+    await store.put_container(first)
+    assert await store.retire_container(first, "expired") is True
+    assert await store.retire_container(first, "expired") is False  # not active any more
+    anew = container(id="cnt_r", name="anew")
+    assert await store.create_container(anew) is True
+    # The first generation's retirement, late (a stale front end), changes nothing.
+    assert await store.retire_container(first, "deleted") is False
+    assert (await store.get_container("alpha", "cnt_r")).status == "active"
+    assert await store.retire_container(anew, "deleted") is True
+
+
 async def test_files_uploads_runs_responses(store):
     await store.put_container(container())
     files = [FileRecord("alpha", "cnt_1", f"/mnt/data/{name}", time.time() + i, 3 + i, "user", None)

@@ -56,6 +56,24 @@ async def test_a_client_id_freed_by_expiry_starts_empty(manager):
     assert (await manager.metadata.get_container("alpha", "thread-1")).status == "active"
 
 
+async def test_racing_requests_for_an_expired_id_make_one_new_container(manager):
+    hour_ago = time.time() - 3600
+    await manager.metadata.put_container(ContainerRecord(
+        tenant="alpha", id="thread-1", name=None, created_at=hour_ago,
+        last_active_at=hour_ago, expires_after_minutes=1))
+    manager.files.files("alpha", "thread-1", 0).write(OLD_FILE, io.BytesIO(b"old"))
+    made = await asyncio.gather(*(manager.get_or_create("alpha", "thread-1") for _ in range(8)))
+    assert len({record.created_at for record in made}) == 1, made
+    new_file = SandboxPath(OUTPUTS, ("new.txt",))
+    manager.files.files("alpha", "thread-1", 0).write(new_file, io.BytesIO(b"new"))
+    # Later requests find the new container and keep its files.
+    again = await asyncio.gather(*(manager.get_or_create("alpha", "thread-1") for _ in range(4)))
+    assert {record.created_at for record in again} == {made[0].created_at}
+    assert manager.files.files("alpha", "thread-1", 0).stat(new_file).size == 3
+    stored = await manager.metadata.get_container("alpha", "thread-1")
+    assert (stored.created_at, stored.status) == (made[0].created_at, "active")
+
+
 async def test_a_live_client_id_is_never_created_twice(manager):
     first = await manager.create("alpha", "thread-2", implicit=True)
     with pytest.raises(ContainerExists):
