@@ -8,6 +8,7 @@ and SIGTERM is a real signal with a real call in flight.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import sqlite3
@@ -216,8 +217,17 @@ def test_probes_answer_without_a_token_and_details_only_for_the_operator(watched
 
 
 def test_readiness_fails_while_uids_are_exhausted_and_recovers(tmp_path):
-    # A uid range of its own: no other server of the run can hold one of these three.
-    server = start_server(tmp_path, 883_000, pool_size=1, uid_count=3, max_sessions=8)
+    # A uid range of its own: no other server of the run can hold one of these three,
+    # nor the same test of a suite running beside this one (uids are host-wide).
+    base = 883_000 + (os.getpid() % 4096) * 4
+    server = start_server(tmp_path, base, pool_size=1, uid_count=3, max_sessions=8)
+    try:
+        _uids_exhausted_and_recovered(server)
+    finally:
+        server.stop()
+
+
+def _uids_exhausted_and_recovered(server: Server) -> None:
     with server.client() as http:
         held = [new_session(http), new_session(http)]
         third = http.post("/sessions", json={})
@@ -243,7 +253,6 @@ def test_readiness_fails_while_uids_are_exhausted_and_recovers(tmp_path):
         assert created.status_code == 201, created.text
         for session_id in [*held, created.json()["session_id"]]:
             http.delete(f"/sessions/{session_id}")
-    server.stop()
 
 
 def test_at_capacity_every_dialect_answers_503_with_retry_after(server_factory):
