@@ -134,7 +134,7 @@ class ContainerManager:
                         await self.touch(old)
                         raise ContainerExists(f"a container {container_id!r} exists already")
                     if old.expires_at <= now:
-                        await self._retire(old, "expired")
+                        await self._retire_locked(old, "expired")
                 elif old is not None:
                     # Deleted or expired before: files a retirement cut short (a
                     # crash between its two steps) must not become the new one's.
@@ -201,16 +201,30 @@ class ContainerManager:
 
     async def _retire(self, record: ContainerRecord, status: str) -> None:
         key = (record.tenant, record.id)
+        lock = self._creating.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:  # never beside a creation of the same id here
+                await self._retire_locked(record, status)
+        finally:
+            if not lock.locked() and self._creating.get(key) is lock:
+                del self._creating[key]
+
+    async def _retire_locked(self, record: ContainerRecord, status: str) -> None:
+        key = (record.tenant, record.id)
         live = self._live.pop(key, None)
         if live is not None:
             await live.sandbox.close()
         self._records.pop(key, None)
         self._touch_written.pop(key, None)
         # This container, by its creation time: never one made anew under its id.
-        if not await self.metadata.retire_container(record, status):
+        stored = await self.metadata.get_container(record.tenant, record.id)
+        if stored is None or stored.created_at != record.created_at or stored.status != "active":
             return
+        # Files first, the status last: a crash in between leaves an active
+        # container without files, which the reaper retires again.
         await asyncio.to_thread(self.files.destroy, record.tenant, record.id)
         await self.metadata.delete_container_files(record.tenant, record.id)
+        await self.metadata.retire_container(record, status)
 
     # -- sandboxes --------------------------------------------------------------------
     async def acquire(self, record: ContainerRecord) -> tuple[Sandbox, bool]:
