@@ -111,23 +111,14 @@ class Cgroup:
         self._unthrottle()
         unified = self.directories.get("unified")
         kill_file = unified / "cgroup.kill" if unified else None
-        if kill_file is not None and not kill_file.exists():  # kernels before 5.14
-            kill_file = None
         deadline = time.monotonic() + timeout
-        killed_at = None
-        pause = 0.0005
         while True:
             pids = self.pids()
             if not pids:
                 return
-            now = time.monotonic()
-            # cgroup.kill takes the whole group at once, forks in flight included:
-            # one write does it (again every 100 ms, belt and braces). Without it,
-            # each process is signalled on every pass, since one may have forked.
-            if kill_file is not None and (killed_at is None or now - killed_at > 0.1):
+            if kill_file is not None and kill_file.exists():
                 try:
                     kill_file.write_text("1")
-                    killed_at = now
                 except OSError:
                     kill_file = None
             if kill_file is None:
@@ -136,14 +127,9 @@ class Cgroup:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-            if now > deadline:
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"processes {pids} survived SIGKILL")
-            # Dying takes a large process a few milliseconds (unmapping its memory):
-            # look again soon, then less often, rather than spin on the group.
-            time.sleep(pause)
-            # Signalled one by one, a fork bomb refills the group between passes:
-            # those stay tight.
-            pause = min(pause * 2, 0.02) if kill_file is not None else 0.001
+            time.sleep(0.001)
 
     def remove(self) -> None:
         """Remove the group's directories; the group must be empty."""

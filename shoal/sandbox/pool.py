@@ -40,11 +40,6 @@ log = logging.getLogger("shoal.pool")
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent"
 # A pool grown by a burst gives back one extra sandbox per this many idle seconds.
 _SHRINK_SECONDS = 30.0
-# While warm sandboxes remain, a refill waits this long after the lease that
-# woke it: the request that leased goes first, not the launch it set off
-# (forking, mounts and a volume compete with its call for the CPU). An empty
-# pool refills at once.
-_REFILL_DEFER_SECONDS = 0.05
 
 
 class PoolBusy(RuntimeError):
@@ -348,9 +343,6 @@ class SandboxPool:
             except TimeoutError:
                 pass
             self._wakeup.clear()
-            if self._ready and not self._closing:
-                await asyncio.sleep(_REFILL_DEFER_SECONDS)
-                self._wakeup.clear()  # leases meanwhile are in the count below
             if self.warm_failures:
                 await asyncio.sleep(min(0.25 * 2 ** self.warm_failures, _SHRINK_SECONDS))
             if self._extra and time.monotonic() - self._missed_at > _SHRINK_SECONDS:
