@@ -13,6 +13,7 @@ container under the same id.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -119,40 +120,35 @@ class ContainerManager:
             raise InvalidContainer("a container id is 1 to 128 letters, digits, '.', '_', ':' "
                                    "or '-', starting with a letter or digit")
         key = (tenant, container_id)
-        lock = self._creating.setdefault(key, asyncio.Lock())
-        try:
-            async with lock:  # one check-retire-insert per id at a time, here
-                now = time.time()
-                # A client's id may name a container that expired and was not
-                # reaped yet: it goes first, so the new one starts empty.
-                old = await self.metadata.get_container(tenant, container_id)
-                if old is not None and old.status == "active":
-                    old = self.current(old)
-                    live = self._live.get(key)
-                    if live is not None and live.users and not live.sandbox.closed:
-                        # A call still runs in it: in use is not expired.
-                        await self.touch(old)
-                        raise ContainerExists(f"a container {container_id!r} exists already")
-                    if old.expires_at <= now:
-                        await self._retire_locked(old, "expired")
-                elif old is not None:
-                    # Deleted or expired before: files a retirement cut short (a
-                    # crash between its two steps) must not become the new one's.
-                    await asyncio.to_thread(self.files.destroy, tenant, container_id)
-                record = ContainerRecord(
-                    tenant=tenant, id=container_id, name=name, created_at=now, last_active_at=now,
-                    expires_after_minutes=self._check_minutes(minutes), implicit=implicit,
-                    memory_limit=memory_limit, network_policy=network_policy)
-                # Insert-if-absent: of two front ends creating the same id, one
-                # makes it; the other is told it exists.
-                if not await self.metadata.create_container(record):
-                    self._records.pop(key, None)  # whatever is cached here is stale
+        async with self._id_lock(key):  # one check-retire-insert per id at a time, here
+            now = time.time()
+            # A client's id may name a container that expired and was not
+            # reaped yet: it goes first, so the new one starts empty.
+            old = await self.metadata.get_container(tenant, container_id)
+            if old is not None and old.status == "active":
+                old = self.current(old)
+                live = self._live.get(key)
+                if live is not None and live.users and not live.sandbox.closed:
+                    # A call still runs in it: in use is not expired.
+                    await self.touch(old)
                     raise ContainerExists(f"a container {container_id!r} exists already")
-                self._records[key] = record
-                return record
-        finally:
-            if not lock.locked() and self._creating.get(key) is lock:
-                del self._creating[key]
+                if old.expires_at <= now:
+                    await self._retire_locked(old, "expired")
+            elif old is not None:
+                # Deleted or expired before: files a retirement cut short (a
+                # crash between its two steps) must not become the new one's.
+                await asyncio.to_thread(self.files.destroy, tenant, container_id)
+            record = ContainerRecord(
+                tenant=tenant, id=container_id, name=name, created_at=now, last_active_at=now,
+                expires_after_minutes=self._check_minutes(minutes), implicit=implicit,
+                memory_limit=memory_limit, network_policy=network_policy)
+            # Insert-if-absent: of two front ends creating the same id, one
+            # makes it; the other is told it exists.
+            if not await self.metadata.create_container(record):
+                self._records.pop(key, None)  # whatever is cached here is stale
+                raise ContainerExists(f"a container {container_id!r} exists already")
+            self._records[key] = record
+            return record
 
     async def get(self, tenant: str, container_id: str) -> ContainerRecord:
         record = self._records.get((tenant, container_id))
@@ -201,10 +197,17 @@ class ContainerManager:
 
     async def _retire(self, record: ContainerRecord, status: str) -> None:
         key = (record.tenant, record.id)
+        async with self._id_lock(key):  # never beside a creation of the same id here
+            await self._retire_locked(record, status)
+
+    @contextlib.asynccontextmanager
+    async def _id_lock(self, key: tuple[str, str]):
+        """Creation and retirement of one id, one at a time on this front end; the
+        lock is forgotten once nobody holds or waits for it."""
         lock = self._creating.setdefault(key, asyncio.Lock())
         try:
-            async with lock:  # never beside a creation of the same id here
-                await self._retire_locked(record, status)
+            async with lock:
+                yield
         finally:
             if not lock.locked() and self._creating.get(key) is lock:
                 del self._creating[key]

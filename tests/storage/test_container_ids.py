@@ -39,14 +39,19 @@ async def manager(tmp_path):
     await metadata.close()
 
 
-async def test_a_client_id_freed_by_expiry_starts_empty(manager):
-    # A container used an hour ago with a one-minute TTL, whose files are still
-    # there: no reaper has retired it.
+async def _expired_with_a_file(manager, content: bytes) -> float:
+    """thread-1, used an hour ago with a one-minute TTL, OLD_FILE still in it: no
+    reaper has retired it. Returns when it was last used."""
     hour_ago = time.time() - 3600
     await manager.metadata.put_container(ContainerRecord(
         tenant="alpha", id="thread-1", name=None, created_at=hour_ago,
         last_active_at=hour_ago, expires_after_minutes=1))
-    manager.files.files("alpha", "thread-1", 0).write(OLD_FILE, io.BytesIO(b"old secrets"))
+    manager.files.files("alpha", "thread-1", 0).write(OLD_FILE, io.BytesIO(content))
+    return hour_ago
+
+
+async def test_a_client_id_freed_by_expiry_starts_empty(manager):
+    hour_ago = await _expired_with_a_file(manager, b"old secrets")
     assert manager.files.files("alpha", "thread-1", 0).stat(OLD_FILE).size == 11  # control
 
     fresh = await manager.get_or_create("alpha", "thread-1")
@@ -57,11 +62,7 @@ async def test_a_client_id_freed_by_expiry_starts_empty(manager):
 
 
 async def test_racing_requests_for_an_expired_id_make_one_new_container(manager):
-    hour_ago = time.time() - 3600
-    await manager.metadata.put_container(ContainerRecord(
-        tenant="alpha", id="thread-1", name=None, created_at=hour_ago,
-        last_active_at=hour_ago, expires_after_minutes=1))
-    manager.files.files("alpha", "thread-1", 0).write(OLD_FILE, io.BytesIO(b"old"))
+    await _expired_with_a_file(manager, b"old")
     made = await asyncio.gather(*(manager.get_or_create("alpha", "thread-1") for _ in range(8)))
     assert len({record.created_at for record in made}) == 1, made
     new_file = SandboxPath(OUTPUTS, ("new.txt",))
