@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from shoal.sandbox.result import Limit
+
 OUTPUTS = "/mnt/user-data/outputs"
 WORKSPACE = "/home/agent/workspace"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -377,6 +379,19 @@ async def test_javascript_error_gives_nonzero_return_code(sandbox):
 async def test_javascript_process_exit_code(sandbox):
     result = await sandbox.run_javascript("process.exit(5)")
     assert result.return_code == 5
+
+
+async def test_javascript_output_written_just_before_exit_is_not_dropped(sandbox, monkeypatch):
+    # Bun queues what a full pipe refuses and drops that queue at process.exit():
+    # without the synchronous stdio preload only about a pipe's worth (1 MiB)
+    # arrives. A cap above the pipe's size makes the loss visible.
+    size = 3 * 1024 * 1024
+    monkeypatch.setattr(sandbox._pool.settings, "output_cap_bytes", 2 * size)
+    result = await sandbox.run_javascript(
+        f"process.stdout.write('y'.repeat({size})); process.stderr.write('e'.repeat({size}));"
+        " process.exit(4)")
+    assert result.return_code == 4 and not result.limits
+    assert (len(result.stdout), len(result.stderr)) == (size, size)
 
 
 # -- restart -----------------------------------------------------------------------------------
