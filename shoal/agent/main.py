@@ -12,6 +12,7 @@ stops answering.
 
 from __future__ import annotations
 
+import builtins
 import os
 import queue
 import select
@@ -142,6 +143,8 @@ class Agent:
             return {"return_code": 0}
         if op == "preload":
             return {"return_code": 0, "failed": self._python.preload(list(message["modules"]))}
+        if op == "warm":
+            return self._warm(message, cap)
         _apply_env(message.get("env"))
         if op == "python":
             return self._captured(message, cap, lambda clock: self._run_python(message, clock))
@@ -180,6 +183,25 @@ class Agent:
             "files": produced.produced_since(before, MAX_PRODUCED_FILES),
             "tool_calls": self._relay.calls_made,
         }
+
+    def _warm(self, message: dict, cap: int) -> dict:
+        """Walk a Python call's whole path once, before the sandbox is leased.
+
+        A fork of the zygote pays on its first call for what it touches first:
+        copy-on-write faults on the interpreter's pages, the workspace's cold
+        directory entries, state built on first use. The pool pays that here,
+        off the client's clock, in a throwaway namespace: the first client call
+        finds the interpreter exactly as fresh (no variable, cell 1)."""
+        python = self._python
+        namespace, cells = python.namespace, python._cells
+        python.namespace = {"__name__": "__main__", "__builtins__": builtins}
+        try:
+            result = self._captured({"id": message.get("id"), "timeout": 5}, cap,
+                                    lambda clock: self._run_python({"code": "pass"}, clock))
+        finally:
+            python.namespace, python._cells = namespace, cells
+            self._stubs = []
+        return {"return_code": result["return_code"]}
 
     def _on_stop(self, stop) -> None:
         with self._state_lock:

@@ -108,7 +108,7 @@ class SandboxPool:
             # bubblewrap: the fallback, and the launcher of last resort. If it
             # cannot start a sandbox either, nothing runs (fail closed).
             self._config = dataclasses.replace(self._config, zygote=None)
-            first = await self._launch_new()
+            first = await self._launch_new(warm=True)
         self._ready.append(first)
         self._refill_task = asyncio.create_task(self._refill_forever())
         self._wakeup.set()
@@ -131,7 +131,7 @@ class SandboxPool:
             await zygote.start()
             self._zygote = zygote
             self._config = dataclasses.replace(self._config, zygote=zygote)
-            return await self._launch_new()
+            return await self._launch_new(warm=True)
         except (ZygoteFailed, LaunchFailed) as exc:
             log.warning("the zygote launcher failed here (%s): sandboxes start with bubblewrap",
                         exc)
@@ -358,7 +358,7 @@ class SandboxPool:
 
     async def _launch_into_pool(self) -> None:
         try:
-            sandbox = await self._launch_new()
+            sandbox = await self._launch_new(warm=True)
         except Exception:
             self.warm_failures = min(self.warm_failures + 1, 16)
             self._wakeup.set()  # try again, after the back-off
@@ -369,7 +369,7 @@ class SandboxPool:
         else:
             self._ready.append(sandbox)
 
-    async def _launch_new(self) -> Sandbox:
+    async def _launch_new(self, warm: bool = False) -> Sandbox:
         assert self._cgroups is not None
         async with self._launch_slots:
             name = f"{self._prefix}-{next(self._names)}"
@@ -387,7 +387,7 @@ class SandboxPool:
                     raise
                 sandbox = Sandbox(self, name, uid, home, cgroup, None)
                 sandbox.release_home = lambda: self._volume_of(name).destroy()
-                sandbox._process = await self._spawn(sandbox)
+                sandbox._process = await self._spawn(sandbox, warm=warm)
             except BaseException as exc:
                 # Shielded: a cancelled launch must still give back what it took.
                 await asyncio.shield(asyncio.to_thread(self._discard, uid, home, cgroup, name))
@@ -422,7 +422,8 @@ class SandboxPool:
             self._volume_of(name).destroy()
         self._uids.release(uid)
 
-    async def _spawn(self, sandbox: Sandbox, preload: bool = True) -> SandboxProcess:
+    async def _spawn(self, sandbox: Sandbox, preload: bool = True,
+                     warm: bool = False) -> SandboxProcess:
         assert self._config is not None
         process = await launch(self._config, sandbox.home, sandbox.uid, sandbox._cgroup)
         try:
@@ -430,6 +431,10 @@ class SandboxPool:
             if preload and self.settings.preload and self._zygote is None:
                 await process.channel.call({"op": "preload", "modules": self.settings.preload},
                                            lambda stream, data: None)
+            if warm:
+                # What a first call pays for first touches, a warm sandbox pays
+                # before its lease (shoal.agent.main.Agent._warm).
+                await process.channel.call({"op": "warm"}, lambda stream, data: None)
         except BaseException:
             process.close_channel()
             await asyncio.shield(asyncio.to_thread(stop_process_tree, process, sandbox._cgroup))

@@ -34,6 +34,22 @@ async def test_state_persists(sandbox):
     assert second.stdout == "42\n"
 
 
+async def test_a_leased_sandbox_starts_fresh_though_the_pool_warmed_it(pool):
+    # The pool runs one Python call in every sandbox before leasing it (the
+    # agent's warm op): the client must find no trace of it.
+    sandbox = await pool.lease()
+    try:
+        result = await sandbox.run_python(
+            "print(sorted(k for k in globals() if not k.startswith('__')))\n"
+            "import sys; print(sys.last_value if hasattr(sys, 'last_value') else None)\n"
+            "raise KeyError('first')")
+        assert result.stdout == "['ToolError']\nNone\n"
+        assert '"<cell-1>", line 3' in result.stderr, result.stderr
+        assert result.files == [] and result.limits == []
+    finally:
+        await sandbox.close()
+
+
 async def test_imports_functions_and_classes_persist(sandbox):
     await ok(sandbox, "import json as j\n"
                       "def double(x):\n    return 2 * x\n"
