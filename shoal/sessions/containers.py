@@ -188,7 +188,11 @@ class ContainerManager:
         self._records[key] = current
         if now - self._touch_written.get(key, 0.0) >= _TOUCH_WRITE_SECONDS:
             self._touch_written[key] = now
-            await self.metadata.put_container(current)
+            if not await self.metadata.touch_container(current):
+                # Retired or made anew by another front end meanwhile: what is
+                # cached here is stale, and the store is not overwritten with it.
+                self._records.pop(key, None)
+                self._touch_written.pop(key, None)
         return current
 
     async def delete(self, tenant: str, container_id: str) -> None:
@@ -318,7 +322,7 @@ class ContainerManager:
 
     async def close(self) -> None:
         for key, record in list(self._records.items()):
-            await self.metadata.put_container(record)
+            await self.metadata.touch_container(record)
         lives, self._live = list(self._live.values()), {}
         await asyncio.gather(*(live.sandbox.close() for live in lives), return_exceptions=True)
         await asyncio.to_thread(self.files.close)

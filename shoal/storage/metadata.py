@@ -100,6 +100,13 @@ class MetadataStore(abc.ABC):
         """Insert or replace."""
 
     @abc.abstractmethod
+    async def touch_container(self, record: ContainerRecord) -> bool:
+        """Move exactly this container's (id *and* creation time) last activity
+        forward to ``record.last_active_at``, if it is still active; whether it
+        is. Never writes anything else: a front end's cached copy cannot undo
+        another's deletion, nor overwrite a container made anew under the id."""
+
+    @abc.abstractmethod
     async def retire_container(self, record: ContainerRecord, status: str) -> bool:
         """Set the status of exactly this container (its id *and* creation time) if
         it is still active; whether it was. A container created anew under the

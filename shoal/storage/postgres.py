@@ -146,6 +146,13 @@ class PostgresMetadataStore(MetadataStore):
             "implicit = EXCLUDED.implicit, memory_limit = EXCLUDED.memory_limit, "
             "network_policy = EXCLUDED.network_policy", *_container_values(record))
 
+    async def touch_container(self, record: ContainerRecord) -> bool:
+        done = await self.pool.execute(
+            "UPDATE containers SET last_active_at = GREATEST(last_active_at, $1) WHERE tenant = $2 "
+            "AND id = $3 AND created_at = $4 AND status = 'active'",
+            record.last_active_at, record.tenant, record.id, record.created_at)
+        return done == "UPDATE 1"
+
     async def retire_container(self, record: ContainerRecord, status: str) -> bool:
         done = await self.pool.execute(
             "UPDATE containers SET status = $1 WHERE tenant = $2 AND id = $3 AND created_at = $4 "

@@ -244,6 +244,14 @@ class SqliteMetadataStore(MetadataStore):
              record.expires_after_minutes, record.status, int(record.implicit), record.memory_limit,
              record.network_policy))
 
+    async def touch_container(self, record: ContainerRecord) -> bool:
+        cursor = await self.db.execute(
+            "UPDATE containers SET last_active_at = MAX(last_active_at, ?) WHERE tenant = ? "
+            "AND id = ? AND created_at = ? AND status = 'active'",
+            (record.last_active_at, record.tenant, record.id, record.created_at))
+        await self.db.commit()
+        return cursor.rowcount == 1
+
     async def retire_container(self, record: ContainerRecord, status: str) -> bool:
         cursor = await self.db.execute(
             "UPDATE containers SET status = ? WHERE tenant = ? AND id = ? AND created_at = ? "

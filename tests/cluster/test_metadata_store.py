@@ -10,6 +10,7 @@ creating one container exactly one succeeds).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import asyncpg
@@ -96,6 +97,28 @@ async def test_retire_container_retires_only_that_container(store):
     assert await store.retire_container(first, "deleted") is False
     assert (await store.get_container("alpha", "cnt_r")).status == "active"
     assert await store.retire_container(anew, "deleted") is True
+
+
+async def test_touch_container_moves_only_that_live_containers_activity_forward(store):
+    first = container(id="cnt_t")
+    await store.put_container(first)
+    later = dataclasses.replace(first, last_active_at=first.last_active_at + 30, name="stale")
+    assert await store.touch_container(later) is True
+    stored = await store.get_container("alpha", "cnt_t")
+    assert (stored.last_active_at, stored.name) == (later.last_active_at, "box")  # nothing else
+    # Never backwards: a front end whose copy is older does not undo a newer touch.
+    assert await store.touch_container(first) is True
+    assert (await store.get_container("alpha", "cnt_t")).last_active_at == later.last_active_at
+    # Retired (by another front end): a stale copy's touch does not bring it back.
+    assert await store.retire_container(first, "deleted") is True
+    assert await store.touch_container(later) is False
+    assert (await store.get_container("alpha", "cnt_t")).status == "deleted"
+    # Made anew under the id: the first generation's touch leaves the new one alone.
+    anew = container(id="cnt_t", name="anew")
+    assert await store.create_container(anew) is True
+    assert await store.touch_container(dataclasses.replace(later, last_active_at=time.time() + 60)) is False
+    stored = await store.get_container("alpha", "cnt_t")
+    assert (stored.created_at, stored.last_active_at) == (anew.created_at, anew.last_active_at)
 
 
 async def test_files_uploads_runs_responses(store):

@@ -20,7 +20,7 @@ import pytest
 from shoal.config import MiB, Settings
 from shoal.sandbox.files import FileMissing, SandboxPath
 from shoal.sandbox.mounts import OUTPUTS
-from shoal.sessions import ContainerExists, ContainerManager
+from shoal.sessions import ContainerExists, ContainerManager, UnknownContainer
 from shoal.storage import ContainerRecord, LocalFileStore, SqliteMetadataStore
 
 OLD_FILE = SandboxPath(OUTPUTS, ("old.txt",))
@@ -83,3 +83,25 @@ async def test_a_live_client_id_is_never_created_twice(manager):
     made = await asyncio.gather(*(manager.get_or_create("alpha", "thread-1") for _ in range(8)))
     assert {(r.id, r.created_at) for r in made} == {(made[0].id, made[0].created_at)}
     assert (await manager.get_or_create("alpha", "thread-2")).created_at == first.created_at
+
+
+async def test_a_front_ends_stale_copy_never_brings_back_a_deleted_container(manager, tmp_path):
+    # Two front ends on one store (the cluster's shape; here one SQLite file):
+    # the other one deletes thread-2 while this one still has it cached and
+    # then writes its last activity through.
+    made = await manager.create("alpha", "thread-2", implicit=True)
+    other = ContainerManager(manager.settings, None, manager.metadata, manager.files)
+    assert (await other.get("alpha", "thread-2")).created_at == made.created_at
+    await other.delete("alpha", "thread-2")
+    await manager.touch(made)
+    stored = await manager.metadata.get_container("alpha", "thread-2")
+    assert stored.status == "deleted", "a stale touch resurrected a deleted container"
+    with pytest.raises(UnknownContainer):
+        await manager.get("alpha", "thread-2")
+    # Nor, at shutdown, does the stale copy overwrite a container made anew.
+    anew = await other.create("alpha", "thread-2", implicit=True)
+    await manager.touch(made)
+    manager._records[("alpha", "thread-2")] = made
+    await manager.close()
+    stored = await manager.metadata.get_container("alpha", "thread-2")
+    assert (stored.created_at, stored.status) == (anew.created_at, "active")
