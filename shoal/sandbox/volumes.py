@@ -14,14 +14,25 @@ Sparse images could promise more than the disk holds, and a loop device whose
 backing file cannot grow loses writes. So no volume is created or mounted
 unless the filesystem under the images has room for it to fill its quota on
 top of what every volume this process has mounted may still write.
+
+Volumes are made and mounted without starting a process: a new image is a
+copy of the few hundred KiB that ``mkfs.ext4`` wrote for the first volume of
+its size (kept in memory), and the loop mount is three system calls
+(:mod:`shoal.sandbox._loop`). The copies share that first image's UUID and
+directory-hash seed, which only the host can read (a sandbox has no block
+device), and which each server process draws afresh.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
+
+from . import _loop
 
 MKFS = "/usr/sbin/mkfs.ext4"
 # Left free under the images beyond every volume's promise: the metadata and the
@@ -39,6 +50,11 @@ class DiskFull(VolumeError):
 
 # Mount point -> image, of every volume this process has mounted.
 _mounted: dict[Path, Path] = {}
+# (size, journal) -> the data extents (offset, bytes) of a fresh filesystem of
+# that shape; a handful of shapes exist (the operator's quotas), a few are kept.
+_templates: dict[tuple[int, bool], list[tuple[int, bytes]]] = {}
+_templates_lock = threading.Lock()
+_TEMPLATES_KEPT = 8
 
 
 def _promised(device: int) -> int:
@@ -94,15 +110,60 @@ def unmount(mount_point: Path) -> None:
     # The last processes of a killed sandbox may still hold the filesystem for
     # a moment; retry briefly, then detach it lazily rather than leak it.
     _mounted.pop(Path(mount_point).resolve(), None)
-    for _ in range(20):
+    try:
+        for _ in range(20):
+            try:
+                _loop.unmount(str(mount_point))
+                return
+            except _loop.LoopError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                time.sleep(0.05)
+        _loop.unmount(str(mount_point), lazy=True)
+    except _loop.LoopError as exc:
+        raise VolumeError(str(exc)) from None
+
+
+def _template(directory: Path, size_bytes: int, journal: bool) -> list[tuple[int, bytes]]:
+    """What a fresh ext4 filesystem of this size holds: made once with mkfs."""
+    key = (size_bytes, journal)
+    with _templates_lock:
+        extents = _templates.get(key)
+        if extents is not None:
+            return extents
+        scratch = directory / f".template-{os.getpid()}-{threading.get_ident()}.partial"
         try:
-            _run(["umount", str(mount_point)])
-            return
-        except VolumeError as exc:
-            if "busy" not in str(exc):
+            with open(scratch, "wb") as handle:
+                handle.truncate(size_bytes)
+            features = [] if journal else ["-O", "^has_journal"]
+            # -m 0: no blocks reserved for root, the quota is all the user's; lazy
+            # init: a fresh sparse image reads as zeros, nothing needs writing.
+            _run([MKFS, "-q", "-F", "-m", "0", *features,
+                  "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", str(scratch)])
+            extents = _data_extents(scratch)
+        finally:
+            scratch.unlink(missing_ok=True)
+        while len(_templates) >= _TEMPLATES_KEPT:
+            _templates.pop(next(iter(_templates)))
+        _templates[key] = extents
+        return extents
+
+
+def _data_extents(path: Path) -> list[tuple[int, bytes]]:
+    extents = []
+    with open(path, "rb") as handle:
+        fd, size, position = handle.fileno(), os.fstat(handle.fileno()).st_size, 0
+        while position < size:
+            try:
+                start = os.lseek(fd, position, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    break  # only a hole remains
                 raise
-            time.sleep(0.05)
-    _run(["umount", "--lazy", str(mount_point)])
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            extents.append((start, os.pread(fd, end - start, start)))
+            position = end
+    return extents
 
 
 class Volume:
@@ -120,15 +181,13 @@ class Volume:
         """Make the image and its filesystem; the volume is then mounted."""
         self.image.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         check_room(self.image, size_bytes)
+        extents = _template(self.image.parent, size_bytes, journal)
         partial = self.image.with_suffix(".partial")
-        with open(partial, "wb") as handle:
-            handle.truncate(size_bytes)
-        features = [] if journal else ["-O", "^has_journal"]
         try:
-            # -m 0: no blocks reserved for root, the quota is all the user's; lazy
-            # init: a fresh sparse image reads as zeros, nothing needs writing.
-            _run([MKFS, "-q", "-F", "-m", "0", *features,
-                  "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", str(partial)])
+            with open(partial, "wb") as handle:
+                handle.truncate(size_bytes)
+                for offset, data in extents:
+                    os.pwrite(handle.fileno(), data, offset)
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
@@ -142,8 +201,11 @@ class Volume:
         if self.mount_point.resolve() not in _mounted:
             check_room(self.image, self.image.stat().st_size)
         self.mount_point.mkdir(parents=True, exist_ok=True)
-        _run(["mount", "-o", "loop,nosuid,nodev,noinit_itable", str(self.image),
-              str(self.mount_point)])
+        try:
+            _loop.mount_image(str(self.image), str(self.mount_point), "ext4",
+                              _loop.MS_NOSUID | _loop.MS_NODEV, "noinit_itable")
+        except _loop.LoopError as exc:
+            raise VolumeError(str(exc)) from None
         _mounted[self.mount_point.resolve()] = self.image
         os.chmod(self.mount_point, 0o711)
 
