@@ -95,6 +95,14 @@ class Cgroup:
         except (OSError, ValueError):
             return 0
 
+    def set_cpu_weight(self, weight: int) -> None:
+        """The group's share of contended CPU against its siblings (100 is the
+        kernel's default; cgroup v1 scales it to cpu.shares)."""
+        if self.version == 1:
+            (self.directories["cpu"] / "cpu.shares").write_text(str(max(2, weight * 1024 // 100)))
+        else:
+            (self.directories["unified"] / "cpu.weight").write_text(str(weight))
+
     def _unthrottle(self) -> None:
         """Lift the CPU quota: a killed process still needs CPU time to exit, and
         a starved group (a fork bomb under a small quota) would take ages to die."""

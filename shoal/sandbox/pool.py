@@ -40,6 +40,12 @@ log = logging.getLogger("shoal.pool")
 AGENT_SOURCE = Path(__file__).resolve().parent.parent / "agent"
 # A pool grown by a burst gives back one extra sandbox per this many idle seconds.
 _SHRINK_SECONDS = 30.0
+# A sandbox launched for the pool starts with this CPU weight (the kernel's
+# default is 100) and gets the default when it is leased: a refill that a lease
+# set off yields the CPU to the sandboxes serving calls, instead of taking half
+# of it from the very call whose lease woke it. Uncontended, it runs at full speed.
+_WARMING_CPU_WEIGHT = 10
+_CPU_WEIGHT = 100
 
 
 class PoolBusy(RuntimeError):
@@ -180,6 +186,7 @@ class SandboxPool:
             raise RuntimeError("the pool is closing")
         if self._ready:
             sandbox = self._ready.pop()
+            _set_cpu_weight(sandbox, _CPU_WEIGHT)
             self._wakeup.set()
             return sandbox
         # A miss: demand outran the pool, which grows for the next burst.
@@ -378,7 +385,8 @@ class SandboxPool:
             cgroup = None
             # A cancelled await does not stop the worker thread: shield it, and
             # on cancellation wait for it, so the cleanup knows what it made.
-            preparing = asyncio.ensure_future(asyncio.to_thread(self._prepare, name, uid, home))
+            preparing = asyncio.ensure_future(asyncio.to_thread(self._prepare, name, uid, home,
+                                                                warm))
             try:
                 try:
                     cgroup = await asyncio.shield(preparing)
@@ -406,12 +414,15 @@ class SandboxPool:
     def _volume_of(self, name: str) -> Volume:
         return Volume(self._scratch_dir / f"{name}.img", self._sandboxes_dir / name)
 
-    def _prepare(self, name: str, uid: int, home: SandboxHome):
+    def _prepare(self, name: str, uid: int, home: SandboxHome, warming: bool = False):
         # An ephemeral session's files get a volume of their own: the disk
         # quota holds against code, and teardown is one unmount.
         self._volume_of(name).create(self.settings.disk_limit_mib * MiB, journal=False)
         home.create(uid)
-        return self._cgroups.create(name, self._limits)
+        group = self._cgroups.create(name, self._limits)
+        if warming:
+            group.set_cpu_weight(_WARMING_CPU_WEIGHT)
+        return group
 
     def _discard(self, uid: int, home: SandboxHome, cgroup, name: str | None = None) -> None:
         if cgroup is not None:
@@ -488,3 +499,11 @@ def _unlocked(directory: Path) -> bool:
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("warming a sandbox failed: %s", task.exception())
+
+
+def _set_cpu_weight(sandbox: Sandbox, weight: int) -> None:
+    try:
+        sandbox._cgroup.set_cpu_weight(weight)
+    except (OSError, KeyError) as exc:
+        # Only the refill's manners depend on it: the sandbox still runs.
+        log.warning("could not set a sandbox's CPU weight: %s", exc, extra={"sandbox": sandbox.name})
