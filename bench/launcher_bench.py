@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.http_bench import Connection  # noqa: E402
+from tests.uid_slots import uid  # noqa: E402
 from tests.serving import start_server  # noqa: E402
 
 UID_BASE = 950_000
@@ -129,7 +130,7 @@ async def figures(port: int, pool_size: int) -> None:
     line("import pandas + a saved figure, fresh session", first_chart, h50)
     for session in sessions[11:]:
         await timed(control, "POST", f"/sessions/{session}/exec", exec_body("import pandas"))
-    total, processes = pss_of_uids(range(UID_BASE, UID_BASE + 4096))
+    total, processes = pss_of_uids(range(uid(UID_BASE), uid(UID_BASE) + 4096))
     live = len(sessions) + pool_size
     print(f"{'idle PSS per session, pandas imported':<44} {total / live / 2**20:8.2f} MiB"
           f"   ({processes} processes, {live} sandboxes incl. the warm pool)", flush=True)
@@ -174,7 +175,7 @@ async def density(port: int, count: int, pid: int) -> None:
             print(f"{number:5d} idle sessions held: machine memory used {used:6.2f} GiB "
                   f"({used * 1024 / number:5.2f} MiB each), server RSS {rss:6.1f} MiB, "
                   f"server fds {fds}, {time.perf_counter() - started:6.1f} s", flush=True)
-    total, processes = pss_of_uids(range(UID_BASE, UID_BASE + count + 64))
+    total, processes = pss_of_uids(range(uid(UID_BASE), uid(UID_BASE) + count + 64))
     print(f"{'PSS of every sandbox process':<44} {total / 2**30:6.2f} GiB "
           f"({total / count / 2**20:.2f} MiB per session, {processes} processes)", flush=True)
     for session in sessions:

@@ -13,12 +13,14 @@ from shoal.egress.broker import EgressBroker, Grant, new_socket_dir
 from shoal.egress.policy import Allowlist
 from shoal.egress.tokens import ModelTokens
 from shoal.sandbox import SandboxPool
+from tests.uid_slots import uid
 
 
 @pytest.fixture(scope="session")
 def settings(tmp_path_factory) -> Settings:
     return Settings(
         pool_size=2,
+        uid_base=uid(Settings.model_fields["uid_base"].default),
         data_dir=tmp_path_factory.mktemp("data"),
         run_dir=Path("/run/shoal-test"),
         memory_limit_mib=256,

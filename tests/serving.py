@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.uid_slots import uid
+
 SHOAL = Path(sys.executable).parent / "shoal"
 
 
@@ -73,6 +75,7 @@ def start_server(tmp_path: Path, uid_base: int, data_dir: Path | None = None, *,
     """
     if launcher() is not None:
         settings.setdefault("launcher", launcher())
+    uid_base = uid(uid_base)  # this test process's uid slot (tests/uid_slots.py)
     port = free_port()
     data_dir = data_dir or tmp_path / "data"
     data_dir.mkdir(parents=True, exist_ok=True)

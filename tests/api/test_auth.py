@@ -25,7 +25,7 @@ PRINT_ONE = {"tool": "code_execution", "input": {"code": "print(1)"}}
 UNKNOWN_ID = "0123456789abcdef0123456789abcdef"
 # uid bases for servers that must refuse to start: they never launch a sandbox,
 # and these lie outside the range conftest hands out.
-_NEVER_STARTED_UID_BASE = 590_000
+_NEVER_STARTED_UID_BASE = 590_000  # start_server moves it into this run's uid slot
 
 
 def _refuse_server_errors(response: httpx.Response) -> None:

@@ -35,6 +35,7 @@ import httpx
 import pytest
 
 from tests.serving import DEFAULTS, Server, start_server
+from tests.uid_slots import OFFSET, uid
 
 RUN_ROOT = Path("/run/shoal-test")
 UID_COUNT = 4096
@@ -78,7 +79,7 @@ def _start(tmp_path: Path, run_dir: Path, uid_base: int, data_dir: Path | None,
     server = start_server(
         tmp_path, uid_base, data_dir, run_dir=run_dir, env={"TMPDIR": str(tmp_dir)},
         server_type=ShoalServer, uid_count=UID_COUNT, **settings,
-        fields={"run_dir": run_dir, "tmp_dir": tmp_dir, "uid_base": uid_base,
+        fields={"run_dir": run_dir, "tmp_dir": tmp_dir, "uid_base": uid(uid_base),
                 "settings": {**DEFAULTS, **settings}})
     return server
 
@@ -238,7 +239,9 @@ def shoal(tmp_path_factory) -> Iterator[Callable[..., ShoalServer]]:
     def start(run_dir: Path | None = None, data_dir: Path | None = None,
               uid_base: int | None = None, **settings) -> ShoalServer:
         slot = next(_slots) % 48
-        uid_base = uid_base or _RUN_UID_BASE + slot * 5000
+        # An explicit base is another server's (already in this run's uid slot);
+        # start_server puts the base it is given there.
+        uid_base = uid_base - OFFSET if uid_base else _RUN_UID_BASE + slot * 5000
         if run_dir is None:
             run_dir = RUN_ROOT / f"reliability-{os.getpid()}-{slot}-{time.monotonic_ns() % 10**6}"
         server = _start(tmp_path_factory.mktemp("shoal"), run_dir, uid_base, data_dir, settings)

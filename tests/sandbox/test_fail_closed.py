@@ -38,11 +38,12 @@ import httpx
 import pytest
 
 from tests.serving import free_port, launcher
+from tests.uid_slots import uid
 
 SHOAL = Path(sys.executable).parent / "shoal"
 RUN_ROOT = Path("/run/shoal-test")
 # Far from every other suite's uids (see tests/*/conftest.py); nothing here may use them.
-UID_BASE = 1_500_000
+UID_BASE = uid(1_500_000)
 
 NOT_ROOT = "Shoal must run as root"
 NO_BWRAP = "/usr/bin/bwrap is missing: apt-get install bubblewrap"

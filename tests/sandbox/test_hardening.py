@@ -129,7 +129,7 @@ async def test_thousands_of_nested_directories_are_listed_and_adopted(tmp_path):
     # A recursive walk failed on 3,000 levels: every later attach of the files answered 500.
     run_dir = _run_dir()
     settings = Settings(pool_size=0, data_dir=tmp_path / "data", run_dir=run_dir,
-                        uid_base=260_000, uid_count=64)
+                        uid_base=uid(260_000), uid_count=64)
     pool = SandboxPool(settings)
     await pool.start()
     try:
@@ -166,6 +166,7 @@ async def test_a_listing_holds_a_bounded_number_of_fds(sandbox):
     # A listing opened a fd per pending directory and abandoned them at the cap.
     await run(sandbox, """
 import os
+from tests.uid_slots import uid
 base = '/mnt/user-data/outputs'
 for i in range(20000):
     os.mkdir(f'{base}/d{i}')
@@ -189,7 +190,7 @@ for i in range(12000):
 async def isolated_pool(tmp_path):
     run_dir = _run_dir()
     settings = Settings(pool_size=0, data_dir=tmp_path / "data", run_dir=run_dir,
-                        uid_base=270_000, uid_count=16)
+                        uid_base=uid(270_000), uid_count=16)
     pool = SandboxPool(settings)
     await pool.start()
     yield pool, settings

@@ -24,8 +24,9 @@ import pytest
 
 from shoal.config import Settings
 from shoal.sandbox import SandboxPool
+from tests.uid_slots import uid
 
-PRIVATE_UID_BASE = 410000
+PRIVATE_UID_BASE = uid(410000)
 # Host-side zombies of a sandbox's init are reaped by the host's pid 1, which may
 # take a moment; live processes must be gone at once, zombies within this delay.
 REAP_SECONDS = 30.0

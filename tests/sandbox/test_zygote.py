@@ -18,6 +18,7 @@ import pytest
 from shoal.config import Settings
 from shoal.sandbox import SandboxPool
 from shoal.sandbox.volumes import Volume
+from tests.uid_slots import uid
 
 
 async def test_the_default_launcher_is_the_zygote(pool):
@@ -78,7 +79,7 @@ async def test_a_volume_unmounted_elsewhere_is_not_held_by_a_zygote(tmp_path):
     other = Volume(image, mount_point)
     other.create(64 * 1024 * 1024)
     settings = Settings(pool_size=0, data_dir=tmp_path / "data", run_dir=run_dir,
-                        uid_base=280_000, uid_count=16, launcher="zygote")
+                        uid_base=uid(280_000), uid_count=16, launcher="zygote")
     pool = SandboxPool(settings)
     await pool.start()
     try:

@@ -22,6 +22,7 @@ import pytest
 
 from tests.security.helpers import new_session
 from tests.serving import start_server
+from tests.uid_slots import uid
 
 FORGE_DEEP_FRAME = r'''
 import gc, json, os, socket, struct
@@ -183,7 +184,7 @@ def test_two_servers_with_their_own_run_dirs_never_share_a_uid(tmp_path, securit
         for server in servers:
             with server.client() as http:
                 http.post("/sessions", json={}).raise_for_status()
-        seen = [_sandbox_uids_of(server.process.pid, range(base, base + 64)) for server in servers]
+        seen = [_sandbox_uids_of(server.process.pid, range(uid(base), uid(base) + 64)) for server in servers]
         assert len(seen[0]) >= 2 and len(seen[1]) >= 2, seen
         assert not seen[0] & seen[1], f"both servers run sandboxes as {seen[0] & seen[1]}"
     finally:
