@@ -21,6 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shoal.config import Settings  # noqa: E402
 from shoal.sandbox import SandboxPool  # noqa: E402
+from tests.uid_slots import uid  # noqa: E402
+
+# Away from the test suites' session pool (200000), in this process's uid slot.
+BENCH_UID_BASE = 930_000
 
 
 def summary(name: str, samples_ms: list[float]) -> None:
@@ -47,7 +51,7 @@ def progress(message: str) -> None:
 async def measure(launcher: str, preload: str, sandboxes: int, calls: int) -> None:
     label = f"launcher={launcher} preload={preload or 'none'}"
     settings = Settings(pool_size=sandboxes, preload_modules=preload, launcher=launcher,
-                        run_dir=Path("/run/shoal-bench"))
+                        run_dir=Path("/run/shoal-bench"), uid_base=uid(BENCH_UID_BASE))
     pool = SandboxPool(settings)
     progress(f"[{label}] warming {sandboxes} sandboxes")
     started = time.perf_counter()

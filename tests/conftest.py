@@ -20,7 +20,7 @@ from tests.uid_slots import uid
 def settings(tmp_path_factory) -> Settings:
     return Settings(
         pool_size=2,
-        uid_base=uid(Settings.model_fields["uid_base"].default),
+        uid_base=uid(int(os.environ.get("SHOAL_UID_BASE") or Settings.model_fields["uid_base"].default)),
         data_dir=tmp_path_factory.mktemp("data"),
         run_dir=Path("/run/shoal-test"),
         memory_limit_mib=256,

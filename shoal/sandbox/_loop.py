@@ -4,10 +4,15 @@ without starting either.
 Every sandbox's files are a loop-mounted image, so a mount sits on the path of
 every sandbox launch and an unmount on every teardown. util-linux's ``mount``
 costs a process start plus a parse of the whole mount table (it grows with the
-sandboxes), about 13 ms of CPU for one mount here; the same three system calls
-made directly cost well under one. The device is bound with ``LOOP_CONFIGURE``
-and autoclear, as ``mount -o loop`` binds it: the kernel detaches it when the
-filesystem is unmounted, so a crashed server leaks no loop device either.
+sandboxes), about 13 ms of CPU for one mount here; the same system calls made
+directly cost well under one. The device is bound with autoclear, as ``mount
+-o loop`` binds it: the kernel detaches it once the filesystem is unmounted, so
+a crashed server leaks no loop device either. ``LOOP_CONFIGURE`` (Linux 5.8)
+binds in one call; older kernels get ``LOOP_SET_FD`` + ``LOOP_SET_STATUS64``.
+
+Like ``mount -o loop``, an image still bound to a device (its filesystem
+lazily unmounted but alive) is mounted from that device again, never from a
+second one: two ext4 instances on one image would corrupt it.
 """
 
 from __future__ import annotations
@@ -19,68 +24,137 @@ import os
 import struct
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_LOOP_CTL_GET_FREE = 0x4C82
-_LOOP_CONFIGURE = 0x4C0A
+_LOOP_SET_FD = 0x4C00
 _LOOP_CLR_FD = 0x4C01
+_LOOP_SET_STATUS64 = 0x4C04
+_LOOP_CONFIGURE = 0x4C0A
+_LOOP_CTL_GET_FREE = 0x4C82
 _LO_FLAGS_AUTOCLEAR = 4
-# struct loop_config: fd, block_size, struct loop_info64 (232 bytes), 64 reserved.
-# In loop_info64, lo_flags is the u32 after five u64s and three u32s.
-_CONFIG_SIZE = 4 + 4 + 232 + 64
-_FLAGS_OFFSET = 8 + 5 * 8 + 3 * 4
+# struct loop_info64 is 232 bytes; lo_flags is the u32 after five u64s and three u32s.
+_INFO_SIZE = 232
+_INFO_FLAGS_OFFSET = 5 * 8 + 3 * 4
+# struct loop_config: fd, block_size, struct loop_info64, 64 reserved bytes.
+_CONFIG_SIZE = 4 + 4 + _INFO_SIZE + 64
 MS_NOSUID, MS_NODEV = 2, 4
 MNT_DETACH = 2
 _ATTEMPTS = 16
 
 
 class LoopError(OSError):
-    """A loop mount or unmount failed; ``errno`` says why."""
+    """A loop mount or unmount failed; the message names the step."""
 
 
-def _fail(what: str) -> LoopError:
-    number = ctypes.get_errno()
+def _failed(what: str, exc: OSError | None = None) -> LoopError:
+    number = exc.errno if exc is not None else ctypes.get_errno()
     return LoopError(number, f"{what}: {os.strerror(number)}")
 
 
-def mount_image(image: str, mount_point: str, fstype: str, flags: int, options: str) -> None:
-    """Bind a free loop device to ``image`` and mount it at ``mount_point``."""
-    backing = os.open(image, os.O_RDWR | os.O_CLOEXEC)
+def _open(path: str, what: str) -> int:
     try:
-        control = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _failed(f"{what} {path}", exc) from None
+
+
+def bound_device(image: str) -> str | None:
+    """The loop device the image is bound to now, if any."""
+    target = os.path.realpath(image)
+    try:
+        entries = os.listdir("/sys/block")
+    except OSError:
+        return None
+    for name in entries:
+        if not name.startswith("loop"):
+            continue
+        try:
+            with open(f"/sys/block/{name}/loop/backing_file") as handle:
+                backing = handle.read().rstrip("\n")
+        except OSError:
+            continue  # not bound
+        if backing == target:
+            return f"/dev/{name}"
+    return None
+
+
+def _bind(loop: int, backing: int) -> None:
+    config = bytearray(_CONFIG_SIZE)
+    struct.pack_into("=I", config, 0, backing)
+    struct.pack_into("=I", config, 8 + _INFO_FLAGS_OFFSET, _LO_FLAGS_AUTOCLEAR)
+    try:
+        fcntl.ioctl(loop, _LOOP_CONFIGURE, bytes(config))
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTTY, errno.EINVAL):
+            raise
+    # Before Linux 5.8: bind, then set autoclear. EBUSY from SET_FD is a race
+    # for the device, as above; a failed status leaves nothing bound.
+    fcntl.ioctl(loop, _LOOP_SET_FD, backing)
+    info = bytearray(_INFO_SIZE)
+    struct.pack_into("=I", info, _INFO_FLAGS_OFFSET, _LO_FLAGS_AUTOCLEAR)
+    try:
+        fcntl.ioctl(loop, _LOOP_SET_STATUS64, bytes(info))
+    except OSError:
+        _clear(loop)
+        raise
+
+
+def _clear(loop: int) -> None:
+    try:
+        fcntl.ioctl(loop, _LOOP_CLR_FD)
+    except OSError:
+        pass  # autoclear frees it when the fd closes anyway
+
+
+def _bind_free(image: str) -> tuple[str, int]:
+    """A free loop device bound to ``image``, and an open fd of it."""
+    backing = _open(image, "open image")
+    try:
+        control = _open("/dev/loop-control", "open")
         try:
             for _ in range(_ATTEMPTS):
-                number = fcntl.ioctl(control, _LOOP_CTL_GET_FREE)
-                device = f"/dev/loop{number}"
-                loop = os.open(device, os.O_RDWR | os.O_CLOEXEC)
-                config = bytearray(_CONFIG_SIZE)
-                struct.pack_into("=I", config, 0, backing)
-                struct.pack_into("=I", config, _FLAGS_OFFSET, _LO_FLAGS_AUTOCLEAR)
                 try:
-                    fcntl.ioctl(loop, _LOOP_CONFIGURE, bytes(config))
+                    number = fcntl.ioctl(control, _LOOP_CTL_GET_FREE)
+                except OSError as exc:
+                    raise _failed("find a free loop device", exc) from None
+                device = f"/dev/loop{number}"
+                loop = _open(device, "open")
+                try:
+                    _bind(loop, backing)
                 except OSError as exc:
                     os.close(loop)
                     if exc.errno == errno.EBUSY:
                         continue  # another process took this device first
-                    raise
-                break
-            else:
-                raise LoopError(errno.EBUSY, "no free loop device could be bound")
+                    raise _failed(f"bind {device} to {image}", exc) from None
+                return device, loop
+            raise LoopError(errno.EBUSY, f"no free loop device could be bound to {image}")
         finally:
             os.close(control)
-        try:
-            if _libc.mount(device.encode(), mount_point.encode(), fstype.encode(),
-                           ctypes.c_ulong(flags), options.encode()) != 0:
-                raise _fail(f"mount {image} at {mount_point}")
-        except BaseException:
-            fcntl.ioctl(loop, _LOOP_CLR_FD)
-            raise
-        finally:
-            # Mounted, the filesystem holds the device; autoclear detaches it
-            # once the filesystem is gone and nothing else has it open.
-            os.close(loop)
     finally:
-        os.close(backing)
+        os.close(backing)  # the bound device holds the image now
+
+
+def mount_image(image: str, mount_point: str, fstype: str, flags: int, options: str,
+                fresh: bool = False) -> None:
+    """Mount ``image`` at ``mount_point`` through a loop device (a ``fresh`` image,
+    made a moment ago, cannot be bound to one yet: no need to look)."""
+    device = None if fresh else bound_device(image)
+    loop = None
+    if device is None:
+        device, loop = _bind_free(image)
+    try:
+        if _libc.mount(device.encode(), mount_point.encode(), fstype.encode(),
+                       ctypes.c_ulong(flags), options.encode()) != 0:
+            error = _failed(f"mount {image} ({device}) at {mount_point}")
+            if loop is not None:
+                _clear(loop)
+            raise error
+    finally:
+        # Mounted, the filesystem holds the device; autoclear detaches it
+        # once the filesystem is gone and nothing else has it open.
+        if loop is not None:
+            os.close(loop)
 
 
 def unmount(mount_point: str, lazy: bool = False) -> None:
     if _libc.umount2(mount_point.encode(), MNT_DETACH if lazy else 0) != 0:
-        raise _fail(f"umount {mount_point}")
+        raise _failed(f"umount {mount_point}")

@@ -161,9 +161,29 @@ def _data_extents(path: Path) -> list[tuple[int, bytes]]:
                     break  # only a hole remains
                 raise
             end = os.lseek(fd, start, os.SEEK_HOLE)
-            extents.append((start, os.pread(fd, end - start, start)))
+            extents.append((start, _read_at(fd, end - start, start)))
             position = end
     return extents
+
+
+def _read_at(fd: int, size: int, offset: int) -> bytes:
+    chunks = []
+    while size > 0:
+        chunk = os.pread(fd, min(size, 1 << 24), offset)
+        if not chunk:
+            raise VolumeError("the filesystem template ended early")
+        chunks.append(chunk)
+        size -= len(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _write_at(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
 
 
 class Volume:
@@ -178,7 +198,9 @@ class Volume:
         return self.image.exists()
 
     def create(self, size_bytes: int, journal: bool = True) -> None:
-        """Make the image and its filesystem; the volume is then mounted."""
+        """Make the image and its filesystem; the volume is then mounted. A
+        journalled volume (a durable container's) reaches the disk before it is
+        used, as mkfs's own output did; a scratch volume dies with its sandbox."""
         self.image.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         check_room(self.image, size_bytes)
         extents = _template(self.image.parent, size_bytes, journal)
@@ -187,14 +209,16 @@ class Volume:
             with open(partial, "wb") as handle:
                 handle.truncate(size_bytes)
                 for offset, data in extents:
-                    os.pwrite(handle.fileno(), data, offset)
+                    _write_at(handle.fileno(), data, offset)
+                if journal:
+                    os.fsync(handle.fileno())
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
         os.rename(partial, self.image)
-        self.mount()
+        self.mount(fresh=True)
 
-    def mount(self) -> None:
+    def mount(self, fresh: bool = False) -> None:
         if is_mounted(self.mount_point):
             _mounted[self.mount_point.resolve()] = self.image
             return
@@ -203,7 +227,7 @@ class Volume:
         self.mount_point.mkdir(parents=True, exist_ok=True)
         try:
             _loop.mount_image(str(self.image), str(self.mount_point), "ext4",
-                              _loop.MS_NOSUID | _loop.MS_NODEV, "noinit_itable")
+                              _loop.MS_NOSUID | _loop.MS_NODEV, "noinit_itable", fresh=fresh)
         except _loop.LoopError as exc:
             raise VolumeError(str(exc)) from None
         _mounted[self.mount_point.resolve()] = self.image

@@ -67,6 +67,7 @@ _SKILLS_MARKER = ".shoal-skills"
 class _Live:
     sandbox: Sandbox
     users: int = 0
+    created_at: float = 0.0  # the generation of the container it serves
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -193,6 +194,10 @@ class ContainerManager:
                 # cached here is stale, and the store is not overwritten with it.
                 self._records.pop(key, None)
                 self._touch_written.pop(key, None)
+                live = self._live.get(key)
+                if live is not None and live.created_at == current.created_at and not live.users:
+                    del self._live[key]
+                    await live.sandbox.close()
         return current
 
     async def delete(self, tenant: str, container_id: str) -> None:
@@ -241,17 +246,23 @@ class ContainerManager:
         while key in self._starting:
             await asyncio.shield(self._starting[key])
         live = self._live.get(key)
-        if live is not None and not live.sandbox.closed:
+        if live is not None and not live.sandbox.closed and live.created_at == record.created_at:
             live.users += 1
             return live.sandbox, False
         starting = asyncio.get_running_loop().create_future()
         self._starting[key] = starting
         try:
+            if live is not None and live.created_at != record.created_at:
+                # A container deleted and made anew under this id by another
+                # front end: the old one's sandbox and files here are not its.
+                del self._live[key]
+                await live.sandbox.close()
+                await asyncio.to_thread(self.files.destroy, record.tenant, record.id)
             home = await asyncio.to_thread(self.files.home, record.tenant, record.id)
             tier = MEMORY_TIERS_MIB.get(record.memory_limit or "")
             sandbox = await self.pool.launch_for(home, record.id[:16],
                                                  tier * 1024 * 1024 if tier else None)
-            self._live[key] = _Live(sandbox, users=1)
+            self._live[key] = _Live(sandbox, users=1, created_at=record.created_at)
         finally:
             del self._starting[key]
             starting.set_result(None)

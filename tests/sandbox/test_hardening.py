@@ -22,6 +22,7 @@ import pytest
 
 from shoal.config import Settings
 from shoal.sandbox import SandboxPool
+from tests.uid_slots import uid
 
 
 async def run(sandbox, code: str):
@@ -166,7 +167,6 @@ async def test_a_listing_holds_a_bounded_number_of_fds(sandbox):
     # A listing opened a fd per pending directory and abandoned them at the cap.
     await run(sandbox, """
 import os
-from tests.uid_slots import uid
 base = '/mnt/user-data/outputs'
 for i in range(20000):
     os.mkdir(f'{base}/d{i}')

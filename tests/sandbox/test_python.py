@@ -37,6 +37,7 @@ async def test_state_persists(sandbox):
 async def test_a_leased_sandbox_starts_fresh_though_the_pool_warmed_it(pool):
     # The pool runs one Python call in every sandbox before leasing it (the
     # agent's warm op): the client must find no trace of it.
+    await pool.wait_warm()  # a lease that misses gets an unwarmed sandbox
     sandbox = await pool.lease()
     try:
         result = await sandbox.run_python(

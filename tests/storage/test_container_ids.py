@@ -105,3 +105,54 @@ async def test_a_front_ends_stale_copy_never_brings_back_a_deleted_container(man
     await manager.close()
     stored = await manager.metadata.get_container("alpha", "thread-2")
     assert (stored.created_at, stored.status) == (anew.created_at, "active")
+
+
+@pytest.fixture
+async def two_front_ends(tmp_path, pool):
+    """Two container managers on one store and one node's files, with real sandboxes."""
+    settings = Settings(data_dir=tmp_path / "data", run_dir=Path("/run/shoal-test"))
+    metadata = SqliteMetadataStore(tmp_path / "shoal.sqlite3")
+    await metadata.open()
+    files = LocalFileStore(settings.data_dir, settings.run_dir, 64 * MiB, MiB)
+    managers = [ContainerManager(settings, pool, metadata, files) for _ in range(2)]
+    yield managers
+    for manager in managers:
+        for live in list(manager._live.values()):
+            await live.sandbox.close()
+    files.destroy("alpha", "thread-3")
+    files.close()
+    await metadata.close()
+
+
+async def test_a_container_made_anew_elsewhere_never_gets_the_old_ones_sandbox(two_front_ends):
+    here, other = two_front_ends
+    old = await here.create("alpha", "thread-3", implicit=True)
+    sandbox, _ = await here.acquire(old)
+    assert (await sandbox.run_python("secret = 'old generation'")).return_code == 0
+    here.release(old)
+    await other.delete("alpha", "thread-3")
+    anew = await other.create("alpha", "thread-3", implicit=True)
+    # This front end reads the new generation from the store (a cache miss).
+    here._records.pop(("alpha", "thread-3"), None)
+    current = await here.get("alpha", "thread-3")
+    assert current.created_at == anew.created_at
+    fresh, _ = await here.acquire(current)
+    try:
+        assert fresh is not sandbox and sandbox.closed
+        seen = await fresh.run_python("print('secret' in globals())")
+        assert seen.stdout == "False\n", seen.stderr
+    finally:
+        here.release(current)
+
+
+async def test_a_refused_touch_stops_the_stale_sandbox(two_front_ends):
+    here, other = two_front_ends
+    record = await here.create("alpha", "thread-3", implicit=True)
+    sandbox, _ = await here.acquire(record)
+    here.release(record)
+    await other.delete("alpha", "thread-3")
+    here._touch_written.clear()  # the next touch writes through
+    await here.touch(record)
+    assert sandbox.closed and ("alpha", "thread-3") not in here._live
+    with pytest.raises(UnknownContainer):
+        await here.get("alpha", "thread-3")
