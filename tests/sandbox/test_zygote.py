@@ -99,3 +99,30 @@ async def test_a_volume_unmounted_elsewhere_is_not_held_by_a_zygote(tmp_path):
         if mount_point.is_mount():  # the test failed before its own unmount
             other.destroy()
         subprocess.run(["rm", "-rf", str(run_dir)], check=False)
+
+
+async def test_the_preloaded_libraries_first_use_is_paid_by_the_zygote(tmp_path):
+    """A first chart in a fresh sandbox costs what a later one does: the zygote
+    drew and saved one before forking (the font, Agg, pandas' plotting backend),
+    and left no figure or data behind for the sandbox to see."""
+    run_dir = Path("/run/shoal-test") / f"zygote-{uuid.uuid4().hex[:8]}"
+    settings = Settings(pool_size=1, data_dir=tmp_path / "data", run_dir=run_dir,
+                        uid_base=uid(281_000), uid_count=16, launcher="zygote",
+                        preload_modules="numpy,pandas,matplotlib.pyplot")
+    pool = SandboxPool(settings)
+    await pool.start()
+    try:
+        assert pool._zygote is not None, "no zygote started"
+        sandbox = await pool.lease()
+        try:
+            result = await sandbox.run_python(
+                "import sys, matplotlib.pyplot as plt\n"
+                "print('pandas.plotting._matplotlib' in sys.modules,"
+                " 'matplotlib.backends.backend_agg' in sys.modules)\n"
+                "print(plt.get_fignums(), sorted(k for k in globals() if not k.startswith('_')))")
+            assert result.stdout == ("True True\n[] ['ToolError', 'plt', 'sys']\n"), result.stderr
+        finally:
+            await sandbox.close()
+    finally:
+        await pool.close()
+        subprocess.run(["rm", "-rf", str(run_dir)], check=False)
