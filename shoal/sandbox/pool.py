@@ -46,6 +46,10 @@ _SHRINK_SECONDS = 30.0
 # of it from the very call whose lease woke it. Uncontended, it runs at full speed.
 _WARMING_CPU_WEIGHT = 10
 _CPU_WEIGHT = 100
+# But in a burst (a lease found the pool empty this recently) the sandboxes
+# warming are what the waiting requests need, and holding launch slots at a
+# tenth of the CPU they would only delay them: they warm at full weight.
+_BURST_SECONDS = 2.0
 
 
 class PoolBusy(RuntimeError):
@@ -72,6 +76,7 @@ class SandboxPool:
         self.egress_dir: Path | None = None
         self._refill_task: asyncio.Task | None = None
         self._warming: set[asyncio.Task] = set()
+        self._warming_groups: set = set()  # cgroups of pool launches not yet ready
         self._wakeup = asyncio.Event()
         self._names = itertools.count(1)
         # "<pid>.<random>": unique per pool, and tells a later server whose
@@ -186,11 +191,14 @@ class SandboxPool:
             raise RuntimeError("the pool is closing")
         if self._ready:
             sandbox = self._ready.pop()
+            self._warming_groups.discard(sandbox._cgroup)
             _set_cpu_weight(sandbox, _CPU_WEIGHT)
             self._wakeup.set()
             return sandbox
         # A miss: demand outran the pool, which grows for the next burst.
         self._missed_at = time.monotonic()
+        for group in list(self._warming_groups):
+            _set_group_weight(group, _CPU_WEIGHT)
         self._extra = min(self._extra + 1, max(0, self.settings.pool_max - self.settings.pool_size))
         if self._waiting >= self.settings.launch_queue:
             raise PoolBusy(f"{self._waiting} requests already wait for a sandbox to start; "
@@ -367,14 +375,21 @@ class SandboxPool:
         try:
             sandbox = await self._launch_new(warm=True)
         except Exception:
+            self._forget_warming()
             self.warm_failures = min(self.warm_failures + 1, 16)
             self._wakeup.set()  # try again, after the back-off
             raise
         self.warm_failures = 0
+        self._warming_groups.discard(sandbox._cgroup)
         if self._closing:
             await sandbox.close()
         else:
             self._ready.append(sandbox)
+
+    def _forget_warming(self) -> None:
+        """Drop the groups of launches that failed (their directories are gone)."""
+        self._warming_groups = {group for group in self._warming_groups
+                                if next(iter(group.directories.values())).is_dir()}
 
     async def _launch_new(self, warm: bool = False) -> Sandbox:
         assert self._cgroups is not None
@@ -420,8 +435,9 @@ class SandboxPool:
         self._volume_of(name).create(self.settings.disk_limit_mib * MiB, journal=False)
         home.create(uid)
         group = self._cgroups.create(name, self._limits)
-        if warming:
-            group.set_cpu_weight(_WARMING_CPU_WEIGHT)
+        if warming and time.monotonic() - self._missed_at > _BURST_SECONDS:
+            self._warming_groups.add(group)
+            _set_group_weight(group, _WARMING_CPU_WEIGHT)
         return group
 
     def _discard(self, uid: int, home: SandboxHome, cgroup, name: str | None = None) -> None:
@@ -502,8 +518,12 @@ def _log_failure(task: asyncio.Task) -> None:
 
 
 def _set_cpu_weight(sandbox: Sandbox, weight: int) -> None:
+    _set_group_weight(sandbox._cgroup, weight)
+
+
+def _set_group_weight(group, weight: int) -> None:
     try:
-        sandbox._cgroup.set_cpu_weight(weight)
+        group.set_cpu_weight(weight)
     except (OSError, KeyError) as exc:
         # Only the refill's manners depend on it: the sandbox still runs.
-        log.warning("could not set a sandbox's CPU weight: %s", exc, extra={"sandbox": sandbox.name})
+        log.warning("could not set a sandbox's CPU weight: %s", exc)
