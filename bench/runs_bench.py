@@ -9,9 +9,11 @@ client for every figure (so the client's own cost is the same in each):
 
 - ``/health`` p50, the yardstick every other figure is divided by;
 - a Python run, ``print(1)``: POST to ``run.completed``, p50 and p99, each
-  started once a warm sandbox is waiting (the steady state), and back to back
-  (where the pool's refill sets the pace);
-- a JavaScript run (Bun), ``console.log(1)``: p50 and p99;
+  started once the pool is full again (the steady state of a server whose
+  requests arrive slower than it refills: the refill the previous run set off
+  is over), and back to back (saturated: each run races the refill the one
+  before it set off, on this machine's two cores);
+- a JavaScript run (Bun), ``console.log(1)``: the same two ways;
 - an inner tool call's round trip, timed inside the sandbox around the stub
   call, with a client that answers each ``tool_call.required`` at once: p50
   and p99; and what of it the client's own POST took.
@@ -53,9 +55,15 @@ def wait_warm(http: httpx.Client, size: int) -> None:
         time.sleep(0.01)
 
 
+def settled(http: httpx.Client, size: int) -> None:
+    """The pool full, and the last launch's own tail (its warm call) over."""
+    wait_warm(http, size)
+    time.sleep(0.02)
+
+
 def run_once(http: httpx.Client, body: dict, warm: int = 0) -> float:
     if warm:
-        wait_warm(http, warm)
+        settled(http, warm)
     started = time.perf_counter()
     with connect_sse(http, "POST", "/v1/code-execution/runs", json=body) as source:
         for sse in source.iter_sse():
@@ -113,16 +121,18 @@ def main() -> None:
                 health_p50 = statistics.median(health)
                 print(f"{'/health':<38} p50 {health_p50:8.2f} ms   p99 {p(health, 0.99):8.2f} ms",
                       flush=True)
-                python = [run_once(http, {"language": "python", "code": "print(1)"}, warm=1)
-                          for _ in range(args.runs)]
+                python_body = {"language": "python", "code": "print(1)"}
+                python = [run_once(http, python_body, warm=4) for _ in range(args.runs)]
                 line("Python run, print(1)", python, health_p50)
-                wait_warm(http, 4)
-                burst = [run_once(http, {"language": "python", "code": "print(1)"})
-                         for _ in range(20)]
+                settled(http, 4)
+                burst = [run_once(http, python_body) for _ in range(20)]
                 line("  back to back (pool refill paces it)", burst, health_p50)
-                javascript = [run_once(http, {"language": "javascript", "code": "console.log(1)"},
-                                       warm=1) for _ in range(max(20, args.runs // 4))]
+                js_body = {"language": "javascript", "code": "console.log(1)"}
+                javascript = [run_once(http, js_body, warm=4) for _ in range(max(20, args.runs // 4))]
                 line("JavaScript run (Bun), console.log(1)", javascript, health_p50)
+                settled(http, 4)
+                burst = [run_once(http, js_body) for _ in range(20)]
+                line("  back to back (pool refill paces it)", burst, health_p50)
                 inside, posts = tool_round_trips(http, 300)
                 line("inner tool call round trip", inside[20:], health_p50)
                 line("  of which the client's POST", posts[20:], health_p50)
