@@ -139,7 +139,7 @@ def test_a_bomb_left_running_after_its_call_is_contained_and_dies_with_the_sessi
     uid = sandbox_uid(http, session_id)
     with Responsiveness(server) as probe, _ProcessSampler(uid) as sampler:
         started = bash(http, session_id, ":(){ :|:& };:")
-        assert started["content"]["return_code"] == 0
+        assert started["content"]["return_code"] == 0, started  # its stderr says why, if not
         time.sleep(4)  # the bomb runs unattended meanwhile
     print(f"\ndetached fork bomb: peak {sampler.peak} processes; {probe.summary()}")
     probe.check()
