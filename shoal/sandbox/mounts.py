@@ -150,6 +150,7 @@ class SandboxHome:
 
 
 _etc_cache: tuple[float, list[Path]] = (float("-inf"), [])
+_etc_present: tuple[float, list[Path]] = (float("-inf"), [])
 
 
 def etc_entries() -> list[Path]:
@@ -158,13 +159,18 @@ def etc_entries() -> list[Path]:
     Globbing /etc is a few milliseconds on the event loop for every launch;
     the answer is kept for a minute (a package installed meanwhile shows up in
     sandboxes started after that)."""
-    global _etc_cache
+    global _etc_cache, _etc_present
     now = time.monotonic()
     if now - _etc_cache[0] > 60:
         _etc_cache = (now, sorted({path for entry in _ETC_ENTRIES
                                    for path in Path("/etc").glob(entry)}))
-    # A cached entry a package removal took away would fail every launch: checked.
-    return [path for path in _etc_cache[1] if os.path.lexists(path)]
+        _etc_present = (float("-inf"), [])
+    # A cached entry a package removal took away would fail every launch: the
+    # entries are checked again, at most once a second (a stat each, per launch,
+    # was a measurable share of the event loop during refills).
+    if now - _etc_present[0] > 1:
+        _etc_present = (now, [path for path in _etc_cache[1] if os.path.lexists(path)])
+    return _etc_present[1]
 
 
 def bwrap_arguments(home: SandboxHome, runtime: Path, agent_root: Path,

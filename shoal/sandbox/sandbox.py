@@ -98,8 +98,10 @@ class Sandbox:
         self._closed = False
         # Called once the processes are gone; the pool sets it for files it owns.
         self.release_home: Callable[[], None] = lambda: None
-        self._oom_seen = cgroup.oom_kills()
-        self._pids_seen = cgroup.pids_limit_hits()
+        # Limit events already counted: none, in the fresh group every sandbox
+        # gets (reading them cost two cgroup files on the event loop per launch).
+        self._oom_seen = 0
+        self._pids_seen = 0
         self._running: _Running | None = None
         # Who uses the sandbox now, for logs and usage: tenant, session, container
         # (set by the layer that leased it).
