@@ -223,6 +223,11 @@ def test_200_concurrent_sessions_of_20_mixed_calls(shoal):
 
 
 # -- soak ---------------------------------------------------------------------------------------------
+# What a warm sandbox holds open in the server: its channel, its stderr pipe, its
+# uid's lease (measured: pools of 2 and 8 ready sandboxes, 29 and 47 fds).
+FDS_PER_WARM_SANDBOX = 3
+
+
 def _settled_figures(server: ShoalServer, http: httpx.Client, timeout: float = 120) -> dict:
     """The server's figures once no session is live and the warm pool holds what it
     aims to (its size, plus what a burst grew it by, which it gives back slowly)."""
@@ -302,7 +307,10 @@ def run_soak(server: ShoalServer, seconds: float, workers: int = 4) -> None:
     assert cycles > 0
     assert end["settled"], f"the server did not settle: {end}"
     assert end["rss"] - start["rss"] < 50 * MiB, "RSS grew"
-    assert end["fds"] - start["fds"] < 20, "open fds grew"
+    # A busy machine's misses grow the warm pool (it gives the extra back slowly),
+    # and each warm sandbox holds its own fds: the server's own count must not grow.
+    grown = FDS_PER_WARM_SANDBOX * (end["pool_ready"] - start["pool_ready"])
+    assert end["fds"] - start["fds"] - grown < 20, ("open fds grew", start, end)
     assert end["threads"] - start["threads"] < 10, "threads grew"
     # Nothing but the warm pool runs in the uid range: no sandbox outlived its session.
     assert end["processes"] == 3 * end["pool_ready"]
