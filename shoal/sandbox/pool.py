@@ -76,7 +76,7 @@ class SandboxPool:
         self.egress_dir: Path | None = None
         self._refill_task: asyncio.Task | None = None
         self._warming: set[asyncio.Task] = set()
-        self._warming_groups: set = set()  # cgroups of pool launches not yet ready
+        self._warming_groups: set = set()  # cgroups of pool launches under way
         self._wakeup = asyncio.Event()
         self._names = itertools.count(1)
         # "<pid>.<random>": unique per pool, and tells a later server whose
@@ -191,8 +191,7 @@ class SandboxPool:
             raise RuntimeError("the pool is closing")
         if self._ready:
             sandbox = self._ready.pop()
-            self._warming_groups.discard(sandbox._cgroup)
-            _set_cpu_weight(sandbox, _CPU_WEIGHT)
+            _set_group_weight(sandbox._cgroup, _CPU_WEIGHT)
             self._wakeup.set()
             return sandbox
         # A miss: demand outran the pool, which grows for the next burst.
@@ -375,21 +374,14 @@ class SandboxPool:
         try:
             sandbox = await self._launch_new(warm=True)
         except Exception:
-            self._forget_warming()
             self.warm_failures = min(self.warm_failures + 1, 16)
             self._wakeup.set()  # try again, after the back-off
             raise
         self.warm_failures = 0
-        self._warming_groups.discard(sandbox._cgroup)
         if self._closing:
             await sandbox.close()
         else:
             self._ready.append(sandbox)
-
-    def _forget_warming(self) -> None:
-        """Drop the groups of launches that failed (their directories are gone)."""
-        self._warming_groups = {group for group in self._warming_groups
-                                if next(iter(group.directories.values())).is_dir()}
 
     async def _launch_new(self, warm: bool = False) -> Sandbox:
         assert self._cgroups is not None
@@ -408,6 +400,8 @@ class SandboxPool:
                 except asyncio.CancelledError:
                     cgroup = await _outcome(preparing)
                     raise
+                if warm:
+                    self._warming_groups.add(cgroup)  # a burst lifts it (lease)
                 sandbox = Sandbox(self, name, uid, home, cgroup, None)
                 sandbox.release_home = lambda: self._volume_of(name).destroy()
                 sandbox._process = await self._spawn(sandbox, warm=warm)
@@ -416,6 +410,8 @@ class SandboxPool:
                 await asyncio.shield(asyncio.to_thread(self._discard, uid, home, cgroup, name))
                 self._launch_failed(exc, name)
                 raise
+            finally:
+                self._warming_groups.discard(cgroup)
             self.stats.launches += 1
             self._live.add(sandbox)
             return sandbox
@@ -436,7 +432,6 @@ class SandboxPool:
         home.create(uid)
         group = self._cgroups.create(name, self._limits)
         if warming and time.monotonic() - self._missed_at > _BURST_SECONDS:
-            self._warming_groups.add(group)
             _set_group_weight(group, _WARMING_CPU_WEIGHT)
         return group
 
@@ -515,10 +510,6 @@ def _unlocked(directory: Path) -> bool:
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("warming a sandbox failed: %s", task.exception())
-
-
-def _set_cpu_weight(sandbox: Sandbox, weight: int) -> None:
-    _set_group_weight(sandbox._cgroup, weight)
 
 
 def _set_group_weight(group, weight: int) -> None:
