@@ -50,6 +50,11 @@ _CPU_WEIGHT = 100
 # warming are what the waiting requests need, and holding launch slots at a
 # tenth of the CPU they would only delay them: they warm at full weight.
 _BURST_SECONDS = 2.0
+# While warm sandboxes remain, a refill waits this long after the lease that
+# woke it: the request that leased goes first, not the launch it set off
+# (forking, mounts and a volume compete with its call for two cores). An empty
+# pool, or one in a burst, refills at once.
+_REFILL_DEFER_SECONDS = 0.05
 
 
 class PoolBusy(RuntimeError):
@@ -357,6 +362,10 @@ class SandboxPool:
             except TimeoutError:
                 pass
             self._wakeup.clear()
+            if (self._ready and not self._closing
+                    and time.monotonic() - self._missed_at > _BURST_SECONDS):
+                await asyncio.sleep(_REFILL_DEFER_SECONDS)
+                self._wakeup.clear()  # leases meanwhile are in the count below
             if self.warm_failures:
                 await asyncio.sleep(min(0.25 * 2 ** self.warm_failures, _SHRINK_SECONDS))
             if self._extra and time.monotonic() - self._missed_at > _SHRINK_SECONDS:
