@@ -80,6 +80,10 @@ class Settings(BaseSettings):
                                                                     "container (1 to 240).")
     container_sandbox_idle_seconds: float = Field(300.0, gt=0, description="An unused container's "
                                                   "sandbox is shut down after this long; its files stay.")
+    snapshot_interval_seconds: float = Field(60.0, gt=0, description="With an object store: a "
+                                             "live container's files are snapshotted to it at "
+                                             "most this often (and whenever its sandbox shuts "
+                                             "down), so a host that dies loses at most this much.")
 
     download_generated: bool = Field(True, description="Whether Zylon's thread endpoint "
                                      "serves generated files (outputs/) for download.")

@@ -165,6 +165,7 @@ class ContainerFiles:
                          created_at=previous.created_at if previous else time.time(), size=size,
                          source=source_kind, etag=reader.digest.hexdigest())
         await self._metadata.put_file(row)
+        await self._containers.checkpoint(record)  # in the object store before the answer
         await self._containers.touch(record)
         return ContainerFile(row)
 
@@ -178,6 +179,7 @@ class ContainerFiles:
         item = await self.get(record, file_id)
         await asyncio.to_thread(self._containers.files_of(record).delete, parse_path(item.path))
         await self._metadata.delete_files(record.tenant, record.id, [item.path])
+        await self._containers.checkpoint(record)
         return item
 
     async def attach_upload(self, record: ContainerRecord, upload: UploadRecord,
@@ -256,6 +258,8 @@ class ContainerFiles:
         for item in doomed:
             await asyncio.to_thread(files.delete, parse_path(item.path))
         await self._metadata.delete_files(record.tenant, record.id, [item.path for item in doomed])
+        if doomed:
+            await self._containers.checkpoint(record)
         return len(doomed)
 
 

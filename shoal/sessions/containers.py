@@ -26,7 +26,7 @@ from pathlib import Path
 
 from shoal.config import Settings
 from shoal.sandbox import Sandbox, SandboxPool
-from shoal.storage import ContainerRecord, FileStore, MetadataStore
+from shoal.storage import ContainerRecord, FileStore, MetadataStore, StoreUnavailable
 
 log = logging.getLogger("shoal.containers")
 
@@ -69,6 +69,7 @@ class _Live:
     users: int = 0
     created_at: float = 0.0  # the generation of the container it serves
     last_used: float = field(default_factory=time.monotonic)
+    checkpointed: float = 0.0  # when its files were last snapshotted (cluster mode)
 
 
 class ContainerManager:
@@ -257,18 +258,22 @@ class ContainerManager:
                 # front end: the old one's sandbox and files here are not its.
                 del self._live[key]
                 await live.sandbox.close()
-                await asyncio.to_thread(self.files.destroy, record.tenant, record.id)
-            home = await asyncio.to_thread(self.files.home, record.tenant, record.id)
+                await asyncio.to_thread(self.files.drop_local, record.tenant, record.id)
+            # Up to date first: a container another host worked on since is
+            # restored from its snapshot (cluster mode).
+            home, elsewhere = await asyncio.to_thread(self.files.attach, record.tenant, record.id)
             tier = MEMORY_TIERS_MIB.get(record.memory_limit or "")
             sandbox = await self.pool.launch_for(home, record.id[:16],
                                                  tier * 1024 * 1024 if tier else None)
-            self._live[key] = _Live(sandbox, users=1, created_at=record.created_at)
+            self._live[key] = _Live(sandbox, users=1, created_at=record.created_at,
+                                    checkpointed=time.monotonic())
         finally:
             del self._starting[key]
             starting.set_result(None)
         # A sandbox ran on these files before (here, or before this server
         # started): whatever its interpreter held is gone now.
-        restarted = key in self._started_here or record.created_at < self._server_started
+        restarted = (key in self._started_here or record.created_at < self._server_started
+                     or elsewhere)
         self._started_here.add(key)
         await self.touch(record)
         return sandbox, restarted
@@ -320,7 +325,9 @@ class ContainerManager:
             live = self._live.pop(key)
             log.info("shutting down idle sandbox of container %s", key[1])
             await live.sandbox.close()
-            await asyncio.to_thread(self.files.detach, *key)
+            await asyncio.to_thread(self.files.detach, *key)  # its last snapshot, if kept
+        if self.files.snapshots:
+            await self._checkpoint_due(now)
         for record in await self.metadata.expired_containers(time.time()):
             current = self._records.get((record.tenant, record.id), record)
             if current.expires_at > time.time():
@@ -331,11 +338,37 @@ class ContainerManager:
             log.info("container %s expired", record.id)
             await self._retire(current, "expired")
 
+    async def _checkpoint_due(self, now: float) -> None:
+        """Snapshot live containers whose last snapshot is older than the interval,
+        and retry those whose last one failed."""
+        due = [key for key, live in self._live.items()
+               if now - live.checkpointed >= self.settings.snapshot_interval_seconds]
+        for key in due:
+            self._live[key].checkpointed = now
+        for key in dict.fromkeys([*due, *self.files.unsaved()]):
+            try:
+                await asyncio.to_thread(self.files.checkpoint, *key, key in self._live)
+            except StoreUnavailable:
+                pass  # logged by the store; kept in its unsaved list, tried next time
+
+    async def checkpoint(self, record: ContainerRecord) -> None:
+        """What was just written to the container, durable beyond this host before
+        it is acknowledged (a no-op without an object store)."""
+        if self.files.snapshots:
+            await asyncio.to_thread(self.files.checkpoint, record.tenant, record.id,
+                                    (record.tenant, record.id) in self._live)
+
     async def close(self) -> None:
         for key, record in list(self._records.items()):
             await self.metadata.touch_container(record)
-        lives, self._live = list(self._live.values()), {}
-        await asyncio.gather(*(live.sandbox.close() for live in lives), return_exceptions=True)
+        lives, self._live = list(self._live.items()), {}
+        await asyncio.gather(*(live.sandbox.close() for _, live in lives), return_exceptions=True)
+        # Each container's last snapshot (cluster mode), as at an idle shutdown.
+        for key, _ in lives:
+            try:
+                await asyncio.to_thread(self.files.detach, *key)
+            except Exception:  # noqa: BLE001 - the rest still get theirs
+                log.exception("could not detach container %s", key[1])
         await asyncio.to_thread(self.files.close)
 
 

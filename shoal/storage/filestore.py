@@ -29,6 +29,9 @@ class StoreUnavailable(RuntimeError):
 
 
 class FileStore(abc.ABC):
+    # Whether containers' files are kept beyond this host (checkpoint() does something).
+    snapshots = False
+
     # -- containers ---------------------------------------------------------------
     @abc.abstractmethod
     def home(self, tenant: str, container_id: str) -> SandboxHome:
@@ -38,9 +41,29 @@ class FileStore(abc.ABC):
     def files(self, tenant: str, container_id: str, uid: int) -> SandboxFiles:
         """Path-safe access to the container's files; new files belong to ``uid``."""
 
+    def attach(self, tenant: str, container_id: str) -> tuple[SandboxHome, bool]:
+        """The container's files, up to date, for a sandbox about to start on them;
+        and whether a sandbox elsewhere worked on them since this host last did
+        (its interpreter's state is then gone: the next call says so)."""
+        return self.home(tenant, container_id), False
+
     @abc.abstractmethod
     def detach(self, tenant: str, container_id: str) -> None:
         """No sandbox uses the container's files any more."""
+
+    def drop_local(self, tenant: str, container_id: str) -> None:
+        """Forget this host's copy of the container's files (it is not the current
+        container's); a copy kept elsewhere stays."""
+        self.destroy(tenant, container_id)
+
+    def checkpoint(self, tenant: str, container_id: str, sandboxed: bool = False) -> None:
+        """Make the container's files as they are now durable beyond this host
+        (cluster mode: a snapshot in the object store); a no-op where the local
+        disk is all there is. ``sandboxed``: a sandbox works on them."""
+
+    def unsaved(self) -> list[tuple[str, str]]:
+        """Containers whose last checkpoint failed, to be tried again."""
+        return []
 
     @abc.abstractmethod
     def destroy(self, tenant: str, container_id: str) -> None:
@@ -88,14 +111,14 @@ class LocalFileStore(FileStore):
             directory.mkdir(mode=0o711, parents=True, exist_ok=True)
             os.chmod(directory, 0o711)  # sandbox uids traverse to their own volume only
 
-    def _volume(self, tenant: str, container_id: str) -> Volume:
+    def volume(self, tenant: str, container_id: str) -> Volume:
         tenant_key, name = _key(tenant, 16), _key(container_id, 24)
         # A stable mount point: a volume left mounted by a killed server is
         # found and reused, never mounted a second time.
         return Volume(self._images / tenant_key / f"{name}.img", self._mounts / tenant_key / name)
 
     def home(self, tenant: str, container_id: str) -> SandboxHome:
-        volume = self._volume(tenant, container_id)
+        volume = self.volume(tenant, container_id)
         volume.mount_point.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
         home = SandboxHome(volume.mount_point)
         if volume.exists:
@@ -109,10 +132,10 @@ class LocalFileStore(FileStore):
         return SandboxFiles(self.home(tenant, container_id), uid, self._max_file_bytes)
 
     def detach(self, tenant: str, container_id: str) -> None:
-        self._volume(tenant, container_id).unmount()
+        self.volume(tenant, container_id).unmount()
 
     def destroy(self, tenant: str, container_id: str) -> None:
-        self._volume(tenant, container_id).destroy()
+        self.volume(tenant, container_id).destroy()
 
     def usage(self) -> tuple[int, int]:
         count = used = 0

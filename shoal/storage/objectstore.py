@@ -6,10 +6,16 @@ any front end sharing the bucket (and the metadata database) serves it. What
 lives here is only the bytes: names, sizes and owners stay in the metadata
 store, as for the embedded store.
 
-Containers' files stay on the local volumes (:class:`.filestore.LocalFileStore`,
-to which this store hands every container call): a sandbox works on a mounted
-filesystem, not on objects, and moving a container between hosts is the
-snapshot-and-restore part of cluster mode, still to come.
+Containers' files live on the local volumes (:class:`.filestore.LocalFileStore`):
+a sandbox works on a mounted filesystem, not on objects. The bucket holds each
+container's snapshot (:mod:`.snapshots`), written when its sandbox is shut
+down, on a cadence while it runs, and before a Files API write to it is
+acknowledged; a host that attaches a container whose local copy is missing or
+older than the snapshot restores it first. So a container outlives the host
+that ran it, and front ends sharing the bucket serve each other's containers.
+One host at a time works on a container: nothing here arbitrates two hosts
+writing the same container at once (routing a container to one host is the
+placement layer's part).
 
 Keys are hashes of the tenant and the upload id, as on disk: nothing a client
 chose becomes part of a key as it is. boto3 is the client (imported only where
@@ -20,10 +26,12 @@ them in threads, as it does the local store's.
 from __future__ import annotations
 
 import base64
-import hashlib
-import tempfile
 import contextlib
+import hashlib
 import logging
+import os
+import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -36,6 +44,7 @@ from shoal.sandbox import FileMissing, FileTooLarge, SandboxFiles
 from shoal.sandbox.mounts import SandboxHome
 
 from .filestore import FileStore, LocalFileStore, StoreUnavailable, _key
+from .snapshots import Manifest, Snapshots, SnapshotTooLarge
 
 log = logging.getLogger("shoal.storage")
 
@@ -114,7 +123,9 @@ def _store_errors(what: str):
 
 
 class ObjectStoreFiles(FileStore):
-    """Uploads in the bucket; containers on the local volumes underneath."""
+    """Uploads in the bucket; containers on the local volumes, snapshotted to it."""
+
+    snapshots = True
 
     def __init__(self, local: LocalFileStore, config: ObjectStoreConfig, spool_dir: Path,
                  max_file_bytes: int) -> None:
@@ -123,19 +134,157 @@ class ObjectStoreFiles(FileStore):
         self._client = config.client()
         self._spool_dir = spool_dir
         self._max_file_bytes = max_file_bytes
+        self._snapshots = Snapshots(self._client, config.bucket, config.prefix)
+        # Containers a sandbox on this host works on: their local copy is the
+        # truth while it does, and the bucket is not asked again.
+        self._attached: set[tuple[str, str]] = set()
+        # The manifest each local copy matches, once known here.
+        self._known: dict[tuple[str, str], Manifest] = {}
+        self._unsaved: set[tuple[str, str]] = set()
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_lock = threading.Lock()
 
-    # -- containers: the local store's ------------------------------------------------
+    # -- containers: local volumes, snapshots in the bucket ----------------------------
+    def _lock(self, key: tuple[str, str]) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def _marker(self, tenant: str, container_id: str) -> Path:
+        """Beside the volume's image: the snapshot version the local copy matches."""
+        return self._local.volume(tenant, container_id).image.with_suffix(".snapshot")
+
+    def _local_version(self, tenant: str, container_id: str) -> str | None:
+        try:
+            return self._marker(tenant, container_id).read_text() or None
+        except OSError:
+            return None
+
+    def _set_local_version(self, tenant: str, container_id: str, version: str) -> None:
+        marker = self._marker(tenant, container_id)
+        partial = marker.with_suffix(".partial")
+        partial.write_text(str(version))
+        os.replace(partial, marker)
+
+    def _up_to_date(self, tenant: str, container_id: str) -> tuple[SandboxHome, bool]:
+        """The local copy made the bucket's snapshot if it is not that already;
+        and whether that restore brought in a sandbox's work from elsewhere."""
+        key = (tenant, container_id)
+        with _store_errors("read the container's snapshot"):
+            manifest = self._snapshots.manifest(tenant, container_id)
+        volume = self._local.volume(tenant, container_id)
+        local = self._local_version(tenant, container_id)
+        if manifest is None:
+            if local is not None and volume.exists:
+                # Snapshotted once, and the snapshot is gone: the container was
+                # deleted elsewhere; what is here is not the current one's.
+                self._local.destroy(tenant, container_id)
+                self._marker(tenant, container_id).unlink(missing_ok=True)
+            self._known.pop(key, None)
+            return self._local.home(tenant, container_id), False
+        if volume.exists and local == manifest.version:
+            self._known[key] = manifest
+            return self._local.home(tenant, container_id), False
+        self._local.destroy(tenant, container_id)
+        self._marker(tenant, container_id).unlink(missing_ok=True)
+        home = self._local.home(tenant, container_id)  # a fresh, empty volume
+        try:
+            with _store_errors("restore the container's files"):
+                self._snapshots.restore(tenant, container_id, home.root, manifest)
+        except BaseException:
+            self._local.destroy(tenant, container_id)  # never half a container
+            raise
+        self._set_local_version(tenant, container_id, manifest.version)
+        self._known[key] = manifest
+        log.info("container restored from its snapshot (version %s, %d entries)",
+                 manifest.version, len(manifest.entries))
+        return home, manifest.sandboxed
+
+    def attach(self, tenant: str, container_id: str) -> tuple[SandboxHome, bool]:
+        key = (tenant, container_id)
+        with self._lock(key):
+            home, restored = self._up_to_date(tenant, container_id)
+            self._attached.add(key)
+            return home, restored
+
     def home(self, tenant: str, container_id: str) -> SandboxHome:
-        return self._local.home(tenant, container_id)
+        key = (tenant, container_id)
+        if key in self._attached:
+            return self._local.home(tenant, container_id)
+        with self._lock(key):
+            return self._up_to_date(tenant, container_id)[0]
 
     def files(self, tenant: str, container_id: str, uid: int) -> SandboxFiles:
-        return self._local.files(tenant, container_id, uid)
+        return SandboxFiles(self.home(tenant, container_id), uid, self._max_file_bytes)
+
+    def checkpoint(self, tenant: str, container_id: str, sandboxed: bool = False) -> None:
+        key = (tenant, container_id)
+        with self._lock(key):
+            self._checkpoint_locked(key, sandboxed)
+
+    def _checkpoint_locked(self, key: tuple[str, str], sandboxed: bool) -> None:
+        tenant, container_id = key
+        if not self._local.volume(tenant, container_id).exists:
+            self._unsaved.discard(key)
+            return
+        home = self._local.home(tenant, container_id)
+        try:
+            with _store_errors("save the container's files"):
+                previous = self._known.get(key)
+                if previous is None:
+                    previous = self._snapshots.manifest(tenant, container_id)
+                manifest, sent = self._snapshots.save(
+                    tenant, container_id, home.root, previous, sandboxed or key in self._attached)
+        except SnapshotTooLarge as exc:
+            # Retrying cannot help: the files stay on this host only, said loudly.
+            self._unsaved.discard(key)
+            log.error("container %s is not snapshotted (its files stay on this host only): "
+                      "%s", container_id, exc)
+            return
+        except BaseException:
+            self._unsaved.add(key)
+            raise
+        self._unsaved.discard(key)
+        if manifest is not previous:
+            self._set_local_version(tenant, container_id, manifest.version)
+            log.debug("container %s snapshotted: version %d, %d bytes sent", container_id,
+                      manifest.version, sent)
+        self._known[key] = manifest
+
+    def unsaved(self) -> list[tuple[str, str]]:
+        return list(self._unsaved)
+
+    def drop_local(self, tenant: str, container_id: str) -> None:
+        key = (tenant, container_id)
+        with self._lock(key):
+            self._local.destroy(tenant, container_id)
+            self._marker(tenant, container_id).unlink(missing_ok=True)
+            self._attached.discard(key)
+            self._known.pop(key, None)
 
     def detach(self, tenant: str, container_id: str) -> None:
-        self._local.detach(tenant, container_id)
+        key = (tenant, container_id)
+        with self._lock(key):
+            try:
+                self._checkpoint_locked(key, sandboxed=True)
+            except StoreUnavailable:
+                pass  # kept here, and tried again (unsaved); logged by _store_errors
+            finally:
+                self._attached.discard(key)
+                self._local.detach(tenant, container_id)
 
     def destroy(self, tenant: str, container_id: str) -> None:
-        self._local.destroy(tenant, container_id)
+        key = (tenant, container_id)
+        with self._lock(key):
+            # The snapshot first: a container is gone once no host can restore it.
+            with _store_errors("delete the container's files"):
+                self._snapshots.delete(tenant, container_id)
+            self._local.destroy(tenant, container_id)
+            self._marker(tenant, container_id).unlink(missing_ok=True)
+            self._attached.discard(key)
+            self._known.pop(key, None)
+            self._unsaved.discard(key)
+        with self._locks_lock:
+            self._locks.pop(key, None)
 
     def usage(self) -> tuple[int, int]:
         return self._local.usage()

@@ -113,7 +113,8 @@ class SeaweedFS:
         weed = os.path.join(os.path.dirname(sys.executable), "weed")
         argv = [weed, "server", f"-dir={self.root}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 "-filer", "-s3", f"-s3.config={config}", "-master.volumeSizeLimitMB=64",
-                "-volume.max=16", "-s3.port.iceberg=0", "-s3.port.lance=0"]
+                # Each bucket is a collection with volumes of its own: room for many.
+                "-volume.max=256", "-s3.port.iceberg=0", "-s3.port.lance=0"]
         argv += [f"-{flag}={port}" for flag, port in ports.items()]
         self.log = open(os.path.join(self.root, "log"), "wb")
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)

@@ -6,8 +6,8 @@ front ends racing to create one client-named container both answer with it
 (that exactly one creation wins is the store's and the manager's tests), and a
 database that cannot be used stops the server at start-up in one line
 (tests/api/test_operability.py, which needs no database).
-Container files still live on the front end that wrote them; the object store
-is what will share those (issue 15).
+Container files move between front ends through the object store's snapshots
+(test_container_snapshots.py).
 """
 
 from __future__ import annotations

@@ -32,8 +32,9 @@ def _front_end(tmp_path, name, uid_base, postgres_url, seaweedfs, bucket):
 
 
 def _objects(seaweedfs, bucket) -> dict[str, bytes]:
+    """The bucket's uploads (containers' snapshots are test_container_snapshots.py's)."""
     s3 = seaweedfs.client()
-    listed = s3.list_objects_v2(Bucket=bucket).get("Contents", [])
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix="shoal/uploads/").get("Contents", [])
     return {item["Key"]: s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read()
             for item in listed}
 

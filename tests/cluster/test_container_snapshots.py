@@ -1,0 +1,205 @@
+"""Containers that outlive their host: snapshots in the object store.
+
+Real front ends on a real PostgreSQL and a real SeaweedFS S3 gateway. What is
+shown: a container's files (written by code, and uploaded through the Files
+API just before the end) survive ``kill -9`` of the front end whose sandbox
+worked on them, and come back on another front end, whose first call says the
+interpreter restarted; snapshots are incremental and checked, so a damaged one
+fails the restore instead of giving a container with a file missing; and a
+front end's stale copy of a container deleted and made anew elsewhere is never
+served as the new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from shoal.storage.filestore import StoreUnavailable
+from shoal.storage.snapshots import Snapshots
+from tests.serving import start_server
+
+pytestmark = pytest.mark.cluster
+
+OUTPUTS = "/mnt/user-data/outputs"
+
+
+def _front_end(tmp_path, name, uid_base, postgres_url, seaweedfs, bucket, **settings):
+    secret = tmp_path / f"{name}.secret"
+    secret.write_text(seaweedfs.secret_key + "\n")
+    return start_server(tmp_path / name, uid_base=uid_base, database_url=postgres_url,
+                        object_store=f"s3://{bucket}/shoal", object_store_endpoint=seaweedfs.endpoint,
+                        object_store_access_key=seaweedfs.ACCESS_KEY,
+                        object_store_secret_key=f"@{secret}", pool_size=1, **settings)
+
+
+def _manifests(seaweedfs, bucket) -> list[dict]:
+    s3 = seaweedfs.client()
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix="shoal/containers/").get("Contents", [])
+    return [json.loads(s3.get_object(Bucket=bucket, Key=item["Key"])["Body"].read())
+            for item in listed if item["Key"].endswith("/manifest.json")]
+
+
+def _exec(http, session_id: str, code: str) -> dict:
+    answer = http.post(f"/sessions/{session_id}/exec",
+                       json={"tool": "code_execution", "input": {"code": code}})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_container_survives_kill_9_of_its_front_end_and_comes_back_on_another(
+        postgres_url, seaweedfs, tmp_path):
+    bucket = seaweedfs.new_bucket()
+    # Snapshots of live containers every second, looked for every half second.
+    first = _front_end(tmp_path, "a", 965_000, postgres_url, seaweedfs, bucket,
+                       snapshot_interval_seconds=1, reaper_interval_seconds=0.5)
+    second = _front_end(tmp_path, "b", 966_000, postgres_url, seaweedfs, bucket)
+    data = os.urandom(3 << 20)  # 3 MiB the client uploads just before the end
+    try:
+        with first.client() as one, second.client() as two:
+            container = one.post("/v1/containers", json={"name": "kept"}).json()["id"]
+            session = one.post("/sessions", json={"container": container}).json()["session_id"]
+            wrote = _exec(one, session, (
+                "import os\nstate = 42\n"
+                f"open('{OUTPUTS}/report.txt', 'w').write('revenue up\\n')\n"
+                "os.makedirs('notes/deep', exist_ok=True)\n"
+                "open('notes/deep/todo.md', 'w').write('- ship\\n')\n"
+                "os.symlink('deep/todo.md', 'notes/link')\n"))
+            assert wrote["result_block"]["content"]["return_code"] == 0, wrote
+            # The running container's files reach the bucket on the cadence.
+            deadline = time.monotonic() + 30
+            while not any("workspace/notes/deep/todo.md" in m["entries"]
+                          for m in _manifests(seaweedfs, bucket)):
+                assert time.monotonic() < deadline, _manifests(seaweedfs, bucket)
+                time.sleep(0.2)
+            uploaded = one.post(f"/v1/containers/{container}/files",
+                                files={"file": ("big.bin", data)})
+            assert uploaded.status_code == 200, uploaded.text
+            # Acknowledged, and then the front end dies at once.
+            first.stop(signal.SIGKILL)
+
+            again = two.post("/sessions", json={"container": container}).json()["session_id"]
+            found = _exec(two, again, (
+                "import hashlib, os\n"
+                "print(open('notes/deep/todo.md').read(), end='')\n"
+                "print(os.readlink('notes/link'))\n"
+                f"print(open('{OUTPUTS}/report.txt').read(), end='')\n"
+                "print(hashlib.sha256(open('/mnt/user-data/uploads/big.bin', 'rb').read())"
+                ".hexdigest())\n"
+                "print('state' in globals())\n"))
+            content = found["result_block"]["content"]
+            assert content["return_code"] == 0, found
+            assert content["stdout"].splitlines() == [
+                "- ship", "deep/todo.md", "revenue up", hashlib.sha256(data).hexdigest(), "False"]
+            # A fresh interpreter on someone's files: the first call says so, once.
+            assert found["interpreter_restarted"] is True
+            assert _exec(two, again, "print(1)")["interpreter_restarted"] is False
+            listed = two.get(f"/v1/containers/{container}/files").json()["data"]
+            assert {Path(item["path"]).name: item["bytes"] for item in listed} == {
+                "big.bin": len(data), "report.txt": len("revenue up\n")}, listed
+    finally:
+        second.stop()
+        # The killed server's leftovers (sandboxes, mounts) go with its next start.
+        start_server(tmp_path / "a", uid_base=965_000, data_dir=first.data_dir,
+                     database_url=postgres_url, object_store=f"s3://{bucket}/shoal",
+                     object_store_endpoint=seaweedfs.endpoint,
+                     object_store_access_key=seaweedfs.ACCESS_KEY,
+                     object_store_secret_key=f"@{tmp_path / 'a.secret'}", pool_size=1).stop()
+
+
+def test_a_deleted_container_made_anew_elsewhere_is_not_served_from_a_stale_copy(
+        postgres_url, seaweedfs, tmp_path):
+    bucket = seaweedfs.new_bucket()
+    first = _front_end(tmp_path, "a", 967_000, postgres_url, seaweedfs, bucket)
+    second = _front_end(tmp_path, "b", 968_000, postgres_url, seaweedfs, bucket)
+    try:
+        with first.client() as one, second.client() as two:
+            # Zylon's threads name their container: used, it exists.
+            put = one.put("/api/v1/app/thread/t-1/put-file/old.txt", content=b"old")
+            assert put.status_code == 201, put.text
+            assert two.delete("/v1/containers/t-1").status_code in (200, 204)
+            put = two.put("/api/v1/app/thread/t-1/put-file/new.txt", content=b"new")
+            assert put.status_code == 201, put.text
+            # The first front end still has the old container's volume; it must
+            # restore the new one's snapshot, not serve what it has.
+            listed = one.get("/v1/containers/t-1/files").json()["data"]
+            assert [Path(item["path"]).name for item in listed] == ["new.txt"], listed
+            session = one.post("/sessions", json={"container": "t-1"}).json()["session_id"]
+            seen = _exec(one, session, "import os; print(sorted(os.listdir('/mnt/user-data/uploads')))")
+            assert seen["result_block"]["content"]["stdout"] == "['new.txt']\n", seen
+    finally:
+        first.stop()
+        second.stop()
+
+
+def _tree(root: Path) -> dict[str, tuple]:
+    found = {}
+    for path in sorted(root.rglob("*")):
+        info = path.lstat()
+        if path.is_symlink():
+            found[str(path.relative_to(root))] = ("link", os.readlink(path))
+        elif path.is_file():
+            found[str(path.relative_to(root))] = ("file", path.read_bytes(), info.st_mode & 0o7777,
+                                                  info.st_mtime_ns)
+        else:
+            found[str(path.relative_to(root))] = ("dir", info.st_mode & 0o7777)
+    return found
+
+
+def test_snapshots_are_incremental_exact_and_checked(seaweedfs, tmp_path):
+    bucket = seaweedfs.new_bucket()
+    s3 = seaweedfs.client()
+    snapshots = Snapshots(s3, bucket, "p/")
+    root = tmp_path / "home"
+    (root / "workspace" / "sub").mkdir(parents=True)
+    (root / "outputs").mkdir()
+    (root / "etc").mkdir()  # not saved: laid out anew for every sandbox
+    (root / "etc" / "passwd").write_text("agent:x:1:1::/:/bin/sh\n")
+    big = os.urandom(2 << 20)
+    (root / "workspace" / "big.bin").write_bytes(big)
+    (root / "workspace" / "copy.bin").write_bytes(big)  # the same content: stored once
+    (root / "workspace" / "sub" / "small.txt").write_text("small")
+    os.chmod(root / "workspace" / "sub" / "small.txt", 0o640)
+    os.symlink("../big.bin", root / "workspace" / "sub" / "link")
+    os.mkfifo(root / "workspace" / "fifo")  # not a file a container keeps
+
+    first, sent = snapshots.save("t", "c", root, None, sandboxed=True)
+    assert sent == len(big) + len("small")
+    assert "workspace/fifo" not in first.entries and not any(p.startswith("etc") for p in first.entries)
+    again, sent = snapshots.save("t", "c", root, first, sandboxed=True)
+    assert again is first and sent == 0  # nothing changed: nothing sent, no new version
+    (root / "workspace" / "sub" / "small.txt").write_text("changed")
+    second, sent = snapshots.save("t", "c", root, first, sandboxed=False)
+    assert sent == len("changed") and second.version != first.version
+    assert second.sandboxed  # once a sandbox worked on it, always
+    blobs = [item["Key"] for item in s3.list_objects_v2(Bucket=bucket, Prefix="p/").get("Contents", [])
+             if "/blobs/" in item["Key"]]
+    assert len(blobs) == 2  # big (once), and the new small; the old small is gone
+
+    restored = tmp_path / "restored"
+    restored.mkdir()
+    snapshots.restore("t", "c", restored, snapshots.manifest("t", "c"))
+    saved = {k: v for k, v in _tree(root).items() if not k.startswith("etc") and k != "workspace/fifo"}
+    mine = _tree(restored)
+    # Directories' times move as the test reads; files, modes and links are exact.
+    assert {k: v for k, v in mine.items() if v[0] != "dir"} == {
+        k: v for k, v in saved.items() if v[0] != "dir"}
+    assert {k for k, v in mine.items() if v[0] == "dir"} == {k for k, v in saved.items() if v[0] == "dir"}
+
+    # One flipped byte in the store: the restore fails, it does not hand back a damaged file.
+    key = next(k for k in blobs if k.endswith(hashlib.sha256(big).hexdigest()))
+    s3.put_object(Bucket=bucket, Key=key, Body=b"x" + big[1:])
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    with pytest.raises(StoreUnavailable, match="checksum"):
+        snapshots.restore("t", "c", damaged, snapshots.manifest("t", "c"))
+
+    snapshots.delete("t", "c")
+    assert s3.list_objects_v2(Bucket=bucket, Prefix="p/").get("KeyCount", 0) == 0
+    assert snapshots.manifest("t", "c") is None
