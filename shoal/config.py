@@ -39,6 +39,12 @@ class Settings(BaseSettings):
                                          "(or '@/path/file'); empty: the AWS_* environment.")
     object_store_secret_key: str = Field("", description="Secret key for the object store, or "
                                          "'@/path/file' holding it.")
+    cluster: str = Field("", description="Serve as a cluster front end: route every request to "
+                         "the sandbox hosts of a Ray cluster ('auto': the cluster this machine "
+                         "is part of; or its address, 'host:6379' or 'ray://host:10001'). Needs "
+                         "database_url and object_store; runs no sandbox itself.")
+    node_key: str = Field("", description="Set by the cluster on a sandbox host: session and run "
+                          "ids start with it, and the containers it holds are placed under it.")
     tokens: str = Field("", description="Bearer tokens: 'tok1=tenant-a,tok2=tenant-b', "
                                         "or '@/path/file' with one 'token=tenant' per line. "
                                         "Empty: no authentication.")

@@ -106,9 +106,85 @@ def _listen(settings: Settings) -> socket.socket:
     return sock
 
 
+def front_end_problems(settings: Settings) -> list[str]:
+    """What stops this process from serving as a cluster front end."""
+    found = []
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        found.append("cluster needs Ray: install Shoal with its 'cluster' extra "
+                     "(pip install 'shoal[cluster]')")
+    if not settings.database_url:
+        found.append("cluster needs database_url: the front ends and hosts share one "
+                     "PostgreSQL database")
+    if not settings.object_store:
+        found.append("cluster needs object_store: containers move between hosts through "
+                     "its snapshots")
+    try:
+        TokenTable.parse(settings.tokens, settings.operator_tokens)
+    except TokenConfigError as exc:
+        found.append(str(exc))
+    return found
+
+
+def _refuse(found: list[str]) -> int:
+    if len(found) == 1:
+        print(f"shoal: refusing to start: {found[0]}", file=sys.stderr)
+    else:
+        print("shoal: refusing to start:\n  - " + "\n  - ".join(found), file=sys.stderr)
+    return 2
+
+
+def serve_front_end(settings: Settings) -> int:
+    """A cluster front end: routes to the sandbox hosts, runs no code itself (so
+    it needs none of the isolation checks a host makes)."""
+    found = front_end_problems(settings)
+    if found:
+        return _refuse(found)
+    try:
+        listener = _listen(settings)
+    except StartupError as exc:
+        return _refuse([str(exc)])
+    from .cluster.frontend import create_front_end
+
+    host, port = listener.getsockname()[:2]
+    config = uvicorn.Config(
+        create_front_end(settings), loop="uvloop", http="httptools", lifespan="on",
+        access_log=False, log_config=None, log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.drain_seconds or 2,
+        timeout_keep_alive=settings.keep_alive_seconds)
+    server = _AnnouncingServer(config, f"shoal: serving on http://{host}:{port} "
+                                       "(cluster front end)")
+    try:
+        server.run(sockets=[listener])
+    except SystemExit:
+        if server.started:
+            raise
+    if not server.started:
+        print("shoal: refusing to serve: the cluster front end could not start (the error is "
+              "above)", file=sys.stderr, flush=True)
+        os._exit(1)
+    return 0
+
+
+class _AnnouncingServer(uvicorn.Server):
+    """Says where it serves once it does (the line tests and operators wait for)."""
+
+    def __init__(self, config: uvicorn.Config, line: str) -> None:
+        super().__init__(config)
+        self._line = line
+
+    async def on_tick(self, counter: int) -> bool:
+        if counter == 0 and self.started:
+            print(self._line, file=sys.stderr, flush=True)
+        return await super().on_tick(counter)
+
+
 def serve(settings: Settings) -> int:
     logs.configure(settings.log_level)
     _raise_fd_limit()
+    if settings.cluster:
+        return serve_front_end(settings)
     found = startup_problems(settings)
     if len(found) == 1:
         print(f"shoal: refusing to start: {found[0]}", file=sys.stderr)

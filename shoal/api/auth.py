@@ -31,7 +31,7 @@ class TokenConfigError(ValueError):
     """The token setting is malformed; the server refuses to start."""
 
 
-def _operator_tokens(setting: str) -> list[str]:
+def operator_tokens_of(setting: str) -> list[str]:
     setting = setting.strip()
     if not setting:
         return []
@@ -55,7 +55,7 @@ class TokenTable:
 
     @classmethod
     def parse(cls, setting: str, operator_setting: str = "") -> "TokenTable":
-        operators = _operator_tokens(operator_setting)
+        operators = operator_tokens_of(operator_setting)
         setting = setting.strip()
         if not setting:
             return cls({}, operators)

@@ -32,9 +32,13 @@ from shoal.gateway.service import UnknownResponse
 from shoal.runs import CallbackNotAllowed, InvalidTools, RunConflict, UnknownRun, UnknownToolCall
 from shoal.sandbox import DiskFull, PoolBusy, UidsExhausted
 from shoal.sandbox.launcher import LaunchFailed
-from shoal.sessions import (AtCapacity, CallTooLarge, FileAccessError, InvalidContainer,
+from shoal.sessions import (AtCapacity, CallTooLarge, ContainerElsewhere, FileAccessError,
+                            InvalidContainer,
                             SandboxClosed, StoreUnavailable, TenantQuotaExceeded, UnknownContainer,
                             UnknownSession)
+
+# A sandbox host's 421 names the host that holds the container (cluster mode).
+PLACEMENT_HEADER = "shoal-placement"
 
 log = logging.getLogger("shoal.api")
 
@@ -168,6 +172,12 @@ def install(app: FastAPI) -> None:
 
     handler(UnknownSession, 404)()
     handler(UnknownContainer, 404)()
+
+    @handler(ContainerElsewhere)
+    def _elsewhere(request: Request, exc: ContainerElsewhere):
+        # Only a cluster front end sends requests to a sandbox host, and it takes
+        # this answer to resend the request to the holder; a client never sees it.
+        return error_response(request, 421, str(exc), {PLACEMENT_HEADER: exc.host})
     handler(UnknownRun, 404)()
     handler(UnknownToolCall, 404)()
     handler(UnknownResponse, 404)()

@@ -211,7 +211,7 @@ class RunManager:
         if uploads and container is None:
             container = await self.sessions.containers.create(tenant, implicit=True)
             implicit = True
-        run = Run(id="cexrun_" + secrets.token_hex(12), tenant=tenant, request=request, grant=grant,
+        run = Run(id="cexrun_" + self.settings.node_key + secrets.token_hex(12), tenant=tenant, request=request, grant=grant,
                   container=container, implicit_container=implicit)
         run.tools = ClientTools(grant, self.settings.tool_wait_seconds,
                                 lambda calls: run.emit("tool_call.required",

@@ -10,7 +10,7 @@ from shoal.storage import StoreUnavailable
 
 from .container_files import (ContainerFile, ContainerFiles, InvalidKey, parse_scoped_file_id,
                               path_for_key, scoped_file_id)
-from .containers import (ContainerExists, ContainerManager, InvalidContainer, TenantQuotaExceeded, UnknownContainer,
+from .containers import (ContainerElsewhere, ContainerExists, ContainerManager, InvalidContainer, TenantQuotaExceeded, UnknownContainer,
                          UnknownSkill)
 from .uploads import Uploads
 from .manager import AtCapacity, SessionManager, UnknownSession
@@ -20,7 +20,7 @@ __all__ = [
     "CallTooLarge",
     "ContainerFile", "ContainerFiles", "InvalidKey", "Uploads", "parse_scoped_file_id",
     "path_for_key", "scoped_file_id",
-    "ContainerExists", "ContainerManager", "InvalidContainer", "TenantQuotaExceeded", "UnknownContainer", "UnknownSkill",
+    "ContainerElsewhere", "ContainerExists", "ContainerManager", "InvalidContainer", "TenantQuotaExceeded", "UnknownContainer", "UnknownSkill",
     "AtCapacity", "ExecResult", "FileAccessError", "Limit", "ProducedFile", "SandboxClosed",
     "Session", "SessionManager", "StoreUnavailable", "UnknownSession", "guess_mime_type",
 ]

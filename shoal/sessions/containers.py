@@ -52,6 +52,15 @@ class TenantQuotaExceeded(RuntimeError):
     """A tenant asked for more than its share (a 429: others keep theirs)."""
 
 
+class ContainerElsewhere(RuntimeError):
+    """Cluster mode: another sandbox host holds the container (the front end that
+    sent the request retries there)."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__(f"the container is held by sandbox host {host}")
+        self.host = host
+
+
 class UnknownSkill(InvalidContainer):
     """A skill the request names is not in the operator's skills directory."""
 
@@ -85,6 +94,7 @@ class ContainerManager:
         self._touch_written: dict[tuple[str, str], float] = {}
         self._records: dict[tuple[str, str], ContainerRecord] = {}
         self._creating: dict[tuple[str, str], asyncio.Lock] = {}
+        self._held: set[tuple[str, str]] = set()  # placed on this host (cluster mode)
         self._server_started = time.time()
 
     # -- records --------------------------------------------------------------------
@@ -150,7 +160,8 @@ class ContainerManager:
                 self._records.pop(key, None)  # whatever is cached here is stale
                 raise ContainerExists(f"a container {container_id!r} exists already")
             self._records[key] = record
-            return record
+        await self._hold(tenant, container_id)
+        return record
 
     async def get(self, tenant: str, container_id: str) -> ContainerRecord:
         record = self._records.get((tenant, container_id))
@@ -161,7 +172,23 @@ class ContainerManager:
         if record is None or record.status != "active" or record.expires_at <= time.time():
             raise UnknownContainer(f"no container {container_id!r}")
         self._records[(tenant, container_id)] = record
+        await self._hold(tenant, container_id)
         return record
+
+    async def _hold(self, tenant: str, container_id: str) -> None:
+        """Cluster mode: every use of a container happens on the one sandbox host
+        that holds it, so its files have one writer. The first use places it
+        here; a container another host holds is ContainerElsewhere. Once held,
+        a host keeps it while it lives (a front end moves it only off a host the
+        cluster reports gone), so the claim is made once per container."""
+        host = self.settings.node_key
+        key = (tenant, container_id)
+        if not host or key in self._held:
+            return
+        holder = await self.metadata.claim_placement(tenant, container_id, host)
+        if holder != host:
+            raise ContainerElsewhere(holder)
+        self._held.add(key)
 
     async def get_or_create(self, tenant: str, container_id: str) -> ContainerRecord:
         """A client-chosen id names its container: used, it exists (Zylon's model)."""
@@ -238,6 +265,9 @@ class ContainerManager:
         await asyncio.to_thread(self.files.destroy, record.tenant, record.id)
         await self.metadata.delete_container_files(record.tenant, record.id)
         await self.metadata.retire_container(record, status)
+        if key in self._held:  # a container made anew under the id may go anywhere
+            self._held.discard(key)
+            await self.metadata.drop_placement(record.tenant, record.id)
 
     # -- sandboxes --------------------------------------------------------------------
     async def acquire(self, record: ContainerRecord) -> tuple[Sandbox, bool]:

@@ -196,7 +196,7 @@ class SessionManager:
         finally:
             self._reserved -= 1  # from here the session itself holds the slot
         session = Session(
-            id=secrets.token_hex(16),
+            id=settings.node_key + secrets.token_hex(16),  # the host's key routes it
             tenant=tenant,
             sandbox=sandbox,
             idle_timeout_seconds=self.clamp(idle_timeout_seconds, settings.idle_timeout_seconds,

@@ -106,6 +106,20 @@ class MetadataStore(abc.ABC):
         is. Never writes anything else: a front end's cached copy cannot undo
         another's deletion, nor overwrite a container made anew under the id."""
 
+    # -- placements (cluster mode): which sandbox host holds a container ------------------
+    @abc.abstractmethod
+    async def claim_placement(self, tenant: str, container_id: str, host: str,
+                              replacing: str | None = None) -> str:
+        """Place the container on ``host`` unless it is placed already (or, with
+        ``replacing``, only if it is placed on that host, which is gone): the host
+        that holds it after the call, atomically across front ends."""
+
+    @abc.abstractmethod
+    async def placement(self, tenant: str, container_id: str) -> str | None: ...
+
+    @abc.abstractmethod
+    async def drop_placement(self, tenant: str, container_id: str) -> None: ...
+
     @abc.abstractmethod
     async def retire_container(self, record: ContainerRecord, status: str) -> bool:
         """Set the status of exactly this container (its id *and* creation time) if

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -152,6 +153,29 @@ class PostgresMetadataStore(MetadataStore):
             "AND id = $3 AND created_at = $4 AND status = 'active'",
             record.last_active_at, record.tenant, record.id, record.created_at)
         return done == "UPDATE 1"
+
+    async def claim_placement(self, tenant: str, container_id: str, host: str,
+                              replacing: str | None = None) -> str:
+        if replacing is None:
+            holder = await self.pool.fetchval(
+                "INSERT INTO placements (tenant, id, host, since) VALUES ($1,$2,$3,$4) "
+                "ON CONFLICT (tenant, id) DO UPDATE SET host = placements.host RETURNING host",
+                tenant, container_id, host, time.time())
+        else:
+            holder = await self.pool.fetchval(
+                "UPDATE placements SET host = $1, since = $2 WHERE tenant = $3 AND id = $4 "
+                "AND host = $5 RETURNING host", host, time.time(), tenant, container_id, replacing)
+            if holder is None:  # moved by someone else first: theirs stands
+                holder = await self.placement(tenant, container_id)
+        return holder or host
+
+    async def placement(self, tenant: str, container_id: str) -> str | None:
+        return await self.pool.fetchval("SELECT host FROM placements WHERE tenant = $1 AND id = $2",
+                                        tenant, container_id)
+
+    async def drop_placement(self, tenant: str, container_id: str) -> None:
+        await self.pool.execute("DELETE FROM placements WHERE tenant = $1 AND id = $2",
+                                tenant, container_id)
 
     async def retire_container(self, record: ContainerRecord, status: str) -> bool:
         done = await self.pool.execute(

@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import sqlite3
+import time
 from pathlib import Path
 
 import aiosqlite
@@ -87,6 +88,16 @@ _MIGRATIONS = (
     # 3: a container's network policy (egress allowlist, domain secrets), as JSON.
     """
     ALTER TABLE containers ADD COLUMN network_policy TEXT;
+    """,
+    # 4: which sandbox host holds each container (cluster mode; empty when embedded).
+    """
+    CREATE TABLE IF NOT EXISTS placements (
+        tenant TEXT NOT NULL,
+        id TEXT NOT NULL,
+        host TEXT NOT NULL,
+        since REAL NOT NULL,
+        PRIMARY KEY (tenant, id)
+    );
     """,
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -251,6 +262,30 @@ class SqliteMetadataStore(MetadataStore):
             (record.last_active_at, record.tenant, record.id, record.created_at))
         await self.db.commit()
         return cursor.rowcount == 1
+
+    async def claim_placement(self, tenant: str, container_id: str, host: str,
+                              replacing: str | None = None) -> str:
+        if replacing is None:
+            await self.db.execute("INSERT INTO placements (tenant, id, host, since) VALUES "
+                                  "(?,?,?,?) ON CONFLICT (tenant, id) DO NOTHING",
+                                  (tenant, container_id, host, time.time()))
+        else:
+            await self.db.execute("UPDATE placements SET host = ?, since = ? WHERE tenant = ? "
+                                  "AND id = ? AND host = ?",
+                                  (host, time.time(), tenant, container_id, replacing))
+        await self.db.commit()
+        return await self.placement(tenant, container_id) or host
+
+    async def placement(self, tenant: str, container_id: str) -> str | None:
+        async with self.db.execute("SELECT host FROM placements WHERE tenant = ? AND id = ?",
+                                   (tenant, container_id)) as cursor:
+            row = await cursor.fetchone()
+        return row[0] if row else None
+
+    async def drop_placement(self, tenant: str, container_id: str) -> None:
+        await self.db.execute("DELETE FROM placements WHERE tenant = ? AND id = ?",
+                              (tenant, container_id))
+        await self.db.commit()
 
     async def retire_container(self, record: ContainerRecord, status: str) -> bool:
         cursor = await self.db.execute(

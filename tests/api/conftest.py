@@ -6,15 +6,9 @@ import itertools
 from pathlib import Path
 
 import pytest
-import yaml
-from jsonschema import Draft202012Validator
-
 from tests.serving import Server, start_server
 
-# The contract lives in ../shared/spec/ beside the checkout; a copy travels with
-# the tests for checkouts without it. The shared one wins when it is there.
-_SHARED_SPEC = Path(__file__).resolve().parents[3] / "shared" / "spec" / "code-execution-openapi.yaml"
-_VENDORED_SPEC = Path(__file__).resolve().parent / "spec" / "code-execution-openapi.yaml"
+from .contract import load_contract, schema_checker
 
 # Each server gets its own uid range, so servers alive at once never share a uid.
 _uid_bases = itertools.count(600_000, 10_000)
@@ -22,21 +16,13 @@ _uid_bases = itertools.count(600_000, 10_000)
 
 @pytest.fixture(scope="session")
 def contract() -> dict:
-    path = _SHARED_SPEC if _SHARED_SPEC.exists() else _VENDORED_SPEC
-    return yaml.safe_load(path.read_text())
+    return load_contract()
 
 
 @pytest.fixture(scope="session")
 def schema_errors(contract):
     """``schema_errors("ExecResponse", body)`` lists where ``body`` breaks the contract."""
-
-    def check(schema_name: str, payload: object) -> list[str]:
-        validator = Draft202012Validator(
-            {"$ref": f"#/components/schemas/{schema_name}", "components": contract["components"]})
-        return [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
-                for e in validator.iter_errors(payload)]
-
-    return check
+    return schema_checker(contract)
 
 
 @pytest.fixture(scope="session")

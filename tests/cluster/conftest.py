@@ -155,3 +155,150 @@ def seaweedfs():
     server = SeaweedFS()
     yield server
     server.stop()
+
+
+class RayCluster:
+    """A Ray cluster on this machine: a head node (the GCS, and where the front
+    ends' drivers attach: Ray gives a driver the head among several nodes on one
+    host) and ``nodes`` sandbox host nodes (``shoal_host``), each with Shoal
+    settings of its own: its data directory, uid range and name, on the given
+    database and bucket. Separate ``ray start`` processes, as on separate
+    machines; torn down by killing exactly them."""
+
+    def __init__(self, nodes: int, database_url: str, seaweedfs, bucket: str,
+                 uid_base: int) -> None:
+        from tests.serving import launcher, uid
+
+        self.root = tempfile.mkdtemp(prefix="shoal-ray-", dir="/tmp")  # short: socket paths
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        secret = os.path.join(self.root, "s3.secret")
+        with open(secret, "w") as handle:
+            handle.write(seaweedfs.secret_key)
+        self.nodes: list[dict] = []
+        ray = os.path.join(os.path.dirname(sys.executable), "ray")
+        head = [ray, "start", "--head", "--port", str(self.port), "--num-cpus", "0",
+                "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.root}",
+                "--dashboard-agent-listen-port", str(free_port()),
+                "--metrics-export-port", str(free_port()),
+                "--runtime-env-agent-port", str(free_port())]
+        done = subprocess.run(head, env={**os.environ, **self._ray_env()}, capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"ray start --head failed: {done.stderr[-2000:]}")
+        for index in range(nodes):
+            data_dir = os.path.join(self.root, f"node{index}")
+            env = {key: value for key, value in os.environ.items() if not key.startswith("SHOAL_")}
+            env.update(self._ray_env())
+            env.update({
+                "SHOAL_HOST": "127.0.0.1", "SHOAL_DATA_DIR": data_dir,
+                "SHOAL_UID_BASE": str(uid(uid_base + index * 2000)),
+                "SHOAL_DATABASE_URL": database_url, "SHOAL_OBJECT_STORE": f"s3://{bucket}/shoal",
+                "SHOAL_OBJECT_STORE_ENDPOINT": seaweedfs.endpoint,
+                "SHOAL_OBJECT_STORE_ACCESS_KEY": seaweedfs.ACCESS_KEY,
+                "SHOAL_OBJECT_STORE_SECRET_KEY": f"@{secret}",
+                "SHOAL_POOL_SIZE": "1", "SHOAL_MEMORY_LIMIT_MIB": "512", "SHOAL_DRAIN_SECONDS": "0",
+                "SHOAL_SNAPSHOT_INTERVAL_SECONDS": "1", "SHOAL_REAPER_INTERVAL_SECONDS": "0.5",
+            })
+            if launcher():
+                env["SHOAL_LAUNCHER"] = launcher()
+            argv = [ray, "start", "--num-cpus", "1", "--disable-usage-stats",
+                    "--resources", json.dumps({"shoal_host": 1, f"node{index}": 1}),
+                    "--dashboard-agent-listen-port", str(free_port()),
+                    "--metrics-export-port", str(free_port()),
+                    "--runtime-env-agent-port", str(free_port())]
+            argv += ["--address", self.address]
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                self.stop()
+                raise RuntimeError(f"ray start failed: {done.stderr[-2000:]}")
+            self.nodes.append({"index": index, "data_dir": data_dir, "env": env,
+                               "uid_base": uid_base + index * 2000})
+
+    @staticmethod
+    def _ray_env() -> dict[str, str]:
+        # A node that dies is declared dead within a few seconds.
+        return {"RAY_USAGE_STATS_ENABLED": "0", "RAY_health_check_initial_delay_ms": "1000",
+                "RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
+                "RAY_health_check_failure_threshold": "4"}
+
+    def _processes(self, needle: str) -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    if needle.encode() in handle.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+        return found
+
+    def host_processes(self, key: str) -> list[int]:
+        """The processes of the sandbox host with this node key (its server)."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as handle:
+                    if f"SHOAL_NODE_KEY={key}\0".encode() in handle.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+        return found
+
+    def kill_node(self, node_id: str) -> None:
+        """``kill -9`` of a node: its raylet, its agents, its workers, its host."""
+        import signal
+
+        from shoal.cluster import node_key
+
+        doomed = self._processes(f"--node_id={node_id}") + self._processes(f"--node-id={node_id}")
+        doomed += self.host_processes(node_key(node_id))
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def stop(self) -> None:
+        import signal
+
+        # The hosts' servers first, gracefully (their sandboxes stopped, volumes
+        # unmounted), then every process of this cluster.
+        for pid in self._host_servers():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 30
+        while self._host_servers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in self._processes(self.root):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _host_servers(self) -> list[int]:
+        """This cluster's sandbox host servers (``shoal serve`` with a node's data dir)."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    argv = handle.read().split(b"\0")
+                with open(f"/proc/{entry}/environ", "rb") as handle:
+                    environ = handle.read()
+            except OSError:
+                continue
+            serving = any(a.endswith(b"/shoal") and b"serve" in argv[i + 1:i + 2]
+                          for i, a in enumerate(argv))
+            if serving and f"SHOAL_DATA_DIR={self.root}/".encode() in environ:
+                found.append(int(entry))
+        return found

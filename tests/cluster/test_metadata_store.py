@@ -99,6 +99,20 @@ async def test_retire_container_retires_only_that_container(store):
     assert await store.retire_container(anew, "deleted") is True
 
 
+async def test_a_placement_is_claimed_once_and_moves_only_off_the_host_named(store):
+    assert await store.placement("alpha", "cnt_p") is None
+    assert await store.claim_placement("alpha", "cnt_p", "n1") == "n1"
+    assert await store.claim_placement("alpha", "cnt_p", "n2") == "n1"  # held: it stays
+    assert await store.claim_placement("beta", "cnt_p", "n2") == "n2"  # tenants apart
+    # Moving off a host that is gone: only if it is still on that host.
+    assert await store.claim_placement("alpha", "cnt_p", "n3", replacing="n2") == "n1"
+    assert await store.claim_placement("alpha", "cnt_p", "n3", replacing="n1") == "n3"
+    assert await store.claim_placement("alpha", "cnt_p", "n4", replacing="n1") == "n3"
+    await store.drop_placement("alpha", "cnt_p")
+    assert await store.placement("alpha", "cnt_p") is None
+    assert await store.placement("beta", "cnt_p") == "n2"
+
+
 async def test_touch_container_moves_only_that_live_containers_activity_forward(store):
     first = container(id="cnt_t")
     await store.put_container(first)
@@ -179,6 +193,13 @@ async def test_front_ends_share_one_database(make_store, request):
                 *(store.create_container(container(id=f"race_{round}", name=f"{i}"))
                   for i, store in enumerate((first, second) * 4)))
             assert sorted(outcomes) == [False] * 7 + [True], outcomes
+        # Two front ends moving one container off a gone host: both end up agreeing.
+        for round in range(10):
+            await first.claim_placement("alpha", f"moving_{round}", "gone")
+            moved = await asyncio.gather(
+                *(store.claim_placement("alpha", f"moving_{round}", f"n{i}", replacing="gone")
+                  for i, store in enumerate((first, second) * 3)))
+            assert len(set(moved)) == 1 and moved[0] != "gone", moved
     finally:
         await first.close()
         await second.close()

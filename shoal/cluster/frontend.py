@@ -1,0 +1,232 @@
+"""The cluster front end: the same API as a single server, routed to sandbox hosts.
+
+A front end keeps no state of its own. For each request it finds the host that
+holds what the request is about and forwards it there unchanged, streaming the
+answer back (server-sent events included):
+
+- ``/sessions/{id}…`` and ``/v1/code-execution/runs/{id}…``: the host whose key
+  the id starts with (hosts make the ids). A session whose host is gone is
+  gone (404); a finished run is answered by any host from its stored record.
+- a container (in the path, ``scope_id``, or a top-level ``container`` of the
+  body): the host it is placed on, a row in the cluster's database. A
+  container placed on a host that is gone moves, atomically, to the host with
+  the most room, which restores it from its snapshot.
+- anything else: the host with the most room.
+
+Whatever the first guess, the host decides: one that is asked about a
+container another host holds answers 421 naming the holder, and the front end
+sends the request there instead (the request's body is kept for that).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from contextlib import asynccontextmanager
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from shoal import __version__
+from shoal.api.auth import OPEN_TENANT, TokenTable, operator_tokens_of, bearer_token
+from shoal.api.errors import PLACEMENT_HEADER
+from shoal.config import Settings, read_secret
+from shoal.storage import open_metadata
+
+from .host import key_length
+from .membership import Host, Membership, NoHost
+
+log = logging.getLogger("shoal.cluster")
+
+_SESSION = re.compile(r"^/sessions/([^/]+)")
+_RUN = re.compile(r"^/v1/code-execution/runs/cexrun_([^/]+)")
+_CONTAINER_PATHS = (re.compile(r"^/v1/containers/([^/]+)"),
+                    re.compile(r"^/api/v1/app/thread/([^/]+)"))
+# Hop-by-hop headers (RFC 9110 7.6.1), and what the proxy recomputes.
+_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+        "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
+_ATTEMPTS = 3
+# A body the front end keeps to resend: at most a file's size and a margin.
+_BODY_MARGIN = 1 << 20
+
+
+def _error(status: int, detail: str) -> JSONResponse:
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+class FrontEnd:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.tokens = TokenTable.parse(settings.tokens, settings.operator_tokens)
+        # The hosts' /health tells their room to the operator only.
+        operators = operator_tokens_of(settings.operator_tokens)
+        self.membership = Membership(settings.cluster, operators[0] if operators else None)
+        self.metadata = open_metadata(settings.data_dir, read_secret(settings.database_url))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            follow_redirects=False, trust_env=False)
+
+    async def start(self) -> None:
+        await self.metadata.open()
+        await self.membership.start()
+
+    async def close(self) -> None:
+        await self.membership.close()
+        await self.client.aclose()
+        await self.metadata.close()
+
+    # -- routing ------------------------------------------------------------------------
+    def _tenant(self, request: Request) -> str | None:
+        if not self.tokens.enabled:
+            return OPEN_TENANT
+        token = bearer_token(request)
+        return self.tokens.tenant_for(token) if token else None
+
+    @staticmethod
+    def _container_of(request: Request, body: bytes) -> str | None:
+        path = request.url.path
+        for pattern in _CONTAINER_PATHS:
+            match = pattern.match(path)
+            if match:
+                return match.group(1)
+        if request.query_params.get("scope_id"):
+            return request.query_params["scope_id"]
+        if body and request.headers.get("content-type", "").startswith("application/json"):
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                return None
+            if isinstance(parsed, dict):
+                for field in ("container", "container_id"):
+                    if isinstance(parsed.get(field), str) and parsed[field]:
+                        return parsed[field]
+        return None
+
+    async def _placed(self, tenant: str, container_id: str, holder: str | None = None) -> Host:
+        """The host holding the container; moved first if the one it was on is gone."""
+        if holder is None:
+            holder = await self.metadata.placement(tenant, container_id)
+        if holder is None:
+            return self.membership.roomiest()
+        host = self.membership.alive(holder)
+        if host is not None:
+            return host
+        chosen = self.membership.roomiest()
+        moved = await self.metadata.claim_placement(tenant, container_id, chosen.key,
+                                                    replacing=holder)
+        if moved != chosen.key:  # another front end moved it first
+            host = self.membership.alive(moved)
+            if host is None:
+                raise NoHost("the container's sandbox host is gone; retry")
+            return host
+        log.info("container %s moves from gone host %s to %s", container_id, holder, chosen.key)
+        return chosen
+
+    async def _target(self, request: Request, body: bytes) -> Host | Response:
+        path = request.url.path
+        match = _SESSION.match(path)
+        if match and path != "/sessions":
+            host = self.membership.alive(match.group(1)[:key_length()])
+            if host is not None:
+                return host
+            if request.method == "DELETE" and path == match.group(0):
+                return Response(status_code=204)  # gone with its host: as released
+            return _error(404, f"no session {match.group(1)!r}")
+        match = _RUN.match(path)
+        if match:
+            host = self.membership.alive(match.group(1)[:key_length()])
+            return host or self.membership.roomiest()  # the stored record answers
+        tenant = self._tenant(request)
+        container_id = self._container_of(request, body)
+        if tenant is not None and container_id is not None:
+            return await self._placed(tenant, container_id)
+        host = self.membership.roomiest()
+        if request.method == "POST" and path in ("/sessions", "/v1/code-execution/runs"):
+            self.membership.taken(host)
+        return host
+
+    # -- forwarding ---------------------------------------------------------------------
+    async def handle(self, request: Request) -> Response:
+        limit = self.settings.max_file_bytes + _BODY_MARGIN
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return _error(413, f"the request body is larger than {limit} bytes")
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return _error(413, f"the request body is larger than {limit} bytes")
+        try:
+            target = await self._target(request, body)
+        except NoHost as exc:
+            return _error(503, str(exc))
+        if isinstance(target, Response):
+            return target
+        for _ in range(_ATTEMPTS):
+            try:
+                upstream = await self._send(target, request, body)
+            except httpx.TransportError:
+                # The host stopped answering (its node going down): Ray will say so.
+                return _error(503, "the sandbox host did not answer; retry")
+            holder = upstream.headers.get(PLACEMENT_HEADER)
+            if upstream.status_code != 421 or holder is None:
+                return StreamingResponse(
+                    upstream.aiter_raw(), status_code=upstream.status_code,
+                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP},
+                    background=BackgroundTask(upstream.aclose))
+            await upstream.aclose()
+            tenant = self._tenant(request)
+            container_id = self._container_of(request, body)
+            try:
+                if tenant is not None and container_id is not None:
+                    target = await self._placed(tenant, container_id, holder)
+                else:
+                    target = self.membership.alive(holder) or self.membership.roomiest()
+            except NoHost as exc:
+                return _error(503, str(exc))
+        return _error(503, "the container's placement kept moving; retry")
+
+    async def _send(self, host: Host, request: Request, body: bytes) -> httpx.Response:
+        headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in _HOP]
+        outgoing = self.client.build_request(
+            request.method, host.url + request.url.path,
+            params=request.url.query or None, headers=headers, content=body)
+        return await self.client.send(outgoing, stream=True)
+
+
+def create_front_end(settings: Settings) -> Starlette:
+    front = FrontEnd(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        await front.start()
+        yield
+        await front.close()
+
+    async def health(request: Request) -> Response:
+        hosts = front.membership.hosts
+        up = [h for h in hosts.values() if h.healthy]
+        return JSONResponse({"status": "ok" if up else "degraded", "role": "front end",
+                             "version": __version__, "hosts": len(up),
+                             "free_slots": sum(max(0, h.free) for h in up)})
+
+    async def readyz(request: Request) -> Response:
+        up = any(h.healthy for h in front.membership.hosts.values())
+        return JSONResponse({"ready": up}, status_code=200 if up else 503)
+
+    async def livez(request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    app = Starlette(lifespan=lifespan, routes=[
+        Route("/health", health), Route("/readyz", readyz), Route("/livez", livez),
+        Route("/{path:path}", front.handle, methods=methods)])
+    app.state.front_end = front
+    return app

@@ -1,0 +1,138 @@
+"""Which sandbox hosts exist, as the Ray cluster reports them.
+
+Ray is the source of truth for nodes: a node it reports alive with the
+``shoal_host`` resource has (or gets, here) its sandbox host actor, and a node
+it reports dead, or that left, has none: nothing is routed to it, its sessions
+are gone, and the containers placed on it move on their next use. Every front
+end keeps this view, refreshed every second; two front ends starting the same
+node's host get the same actor (it is named by the node, and there is one
+``shoal_host`` unit per node to hold).
+
+How much room each host has is its own ``/health`` (sessions held against
+its limit), polled on the same cadence: the front end's only input to placing
+something new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+
+import httpx
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from .host import HOST_RESOURCE, NAMESPACE, SandboxHost, node_key
+
+log = logging.getLogger("shoal.cluster")
+REFRESH_SECONDS = 1.0
+_HOST_START_SECONDS = 180
+
+
+class NoHost(RuntimeError):
+    """No sandbox host is up (or every one is full): a 503 to come back later."""
+
+
+@dataclass
+class Host:
+    key: str
+    node_id: str
+    url: str
+    free: int = 0  # session slots not taken, by the host's last /health
+    healthy: bool = True
+
+
+class Membership:
+    def __init__(self, address: str, operator_token: str | None = None) -> None:
+        self._address = address
+        self._headers = {"Authorization": f"Bearer {operator_token}"} if operator_token else {}
+        self.hosts: dict[str, Host] = {}
+        self._starting: dict[str, asyncio.Task] = {}
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False)
+        self._task: asyncio.Task | None = None
+        self.changed = asyncio.Event()
+
+    async def start(self) -> None:
+        address = None if self._address == "auto" else self._address
+        await asyncio.to_thread(ray.init, address=address or "auto", namespace=NAMESPACE,
+                                logging_level=logging.WARNING, log_to_driver=False)
+        await self.refresh(wait=True)
+        self._task = asyncio.create_task(self._forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for task in self._starting.values():
+            task.cancel()
+        await self._client.aclose()
+        await asyncio.to_thread(ray.shutdown)
+
+    def alive(self, key: str) -> Host | None:
+        return self.hosts.get(key)
+
+    def roomiest(self, exclude: set[str] = frozenset()) -> Host:
+        """The host with the most free session slots (ties at random)."""
+        candidates = [h for h in self.hosts.values() if h.healthy and h.key not in exclude]
+        if not candidates:
+            raise NoHost("no sandbox host is up; retry later")
+        best = max(h.free for h in candidates)
+        if best <= 0:
+            raise NoHost("every sandbox host is full; retry later")
+        return random.choice([h for h in candidates if h.free == best])
+
+    def taken(self, host: Host) -> None:
+        """A session or run was just placed there: counted until the next poll."""
+        host.free -= 1
+
+    async def _forever(self) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_SECONDS)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("could not refresh the cluster's membership")
+
+    async def refresh(self, wait: bool = False) -> None:
+        nodes = await asyncio.to_thread(ray.nodes)
+        alive = {node_key(n["NodeID"]): n["NodeID"] for n in nodes
+                 if n.get("Alive") and n.get("Resources", {}).get(HOST_RESOURCE, 0) >= 1}
+        gone = set(self.hosts) - set(alive)
+        for key in gone:
+            log.warning("sandbox host %s is gone (its node left the cluster)", key)
+            del self.hosts[key]
+        for key, node_id in alive.items():
+            if key not in self.hosts and key not in self._starting:
+                self._starting[key] = asyncio.create_task(self._start_host(key, node_id))
+        if wait and self._starting:
+            await asyncio.gather(*self._starting.values(), return_exceptions=True)
+        await asyncio.gather(*(self._poll(host) for host in list(self.hosts.values())))
+        if gone:
+            self.changed.set()
+
+    async def _start_host(self, key: str, node_id: str) -> None:
+        try:
+            actor = SandboxHost.options(
+                name=f"host-{node_id}", namespace=NAMESPACE, lifetime="detached",
+                get_if_exists=True, resources={HOST_RESOURCE: 1},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(key)
+            url = await asyncio.wait_for(asyncio.wrap_future(actor.url.remote().future()),
+                                         _HOST_START_SECONDS)
+            host = Host(key, node_id, url)
+            await self._poll(host)
+            self.hosts[key] = host
+            log.info("sandbox host %s serves at %s", key, url)
+        except Exception as exc:  # noqa: BLE001 - tried again on the next refresh
+            log.warning("sandbox host %s could not be started: %s", key, exc)
+        finally:
+            self._starting.pop(key, None)
+
+    async def _poll(self, host: Host) -> None:
+        try:
+            body = (await self._client.get(f"{host.url}/health", headers=self._headers)).json()
+            host.free = int(body["max_sessions"]) - int(body["sessions"])
+            host.healthy = body.get("status") == "ok" or host.free > 0
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            host.healthy = False

@@ -1,0 +1,190 @@
+"""Cluster mode on a real Ray cluster: front ends routing to one sandbox host per node.
+
+Three ``ray start`` nodes on this machine, each a sandbox host with its own data
+directory and uid range, on a real PostgreSQL and a real SeaweedFS; front ends
+started with ``shoal serve --cluster``. What is shown, through the public API
+only: sessions spread over the nodes and every call, stream and inner tool call
+reaches the session's node through any front end; a container's files survive
+``kill -9`` of its node and come back on another node, an upload acknowledged
+just before included, and the next call says the interpreter restarted; a
+session on the dead node is gone (404), never reported live.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from httpx_sse import connect_sse
+
+from shoal.cluster.host import key_length
+from tests.api.contract import load_contract, schema_checker
+from tests.api.test_conformance import assert_conformant, run_checks
+from tests.serving import start_server
+
+from .conftest import RayCluster
+
+pytestmark = pytest.mark.cluster
+
+TOOL = {"type": "function", "name": "lookup", "description": "Look a word up",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}},
+                       "required": ["word"]}}
+
+
+@pytest.fixture
+def cluster(postgres_url, seaweedfs, tmp_path):
+    bucket = seaweedfs.new_bucket()
+    ray = RayCluster(3, postgres_url, seaweedfs, bucket, uid_base=970_000)
+    fronts = []
+
+    def front_end(name: str):
+        secret = tmp_path / f"{name}.secret"
+        secret.write_text(seaweedfs.secret_key)
+        server = start_server(tmp_path / name, uid_base=976_000, cluster=ray.address,
+                              database_url=postgres_url, object_store=f"s3://{bucket}/shoal",
+                              object_store_endpoint=seaweedfs.endpoint,
+                              object_store_access_key=seaweedfs.ACCESS_KEY,
+                              object_store_secret_key=f"@{secret}")
+        fronts.append(server)
+        deadline = time.monotonic() + 180  # every node's host started and answering
+        while httpx.get(f"{server.url}/health").json()["hosts"] < 3:
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.5)
+        return server
+
+    ray.front_end = front_end
+    try:
+        yield ray
+    finally:
+        for server in fronts:
+            server.stop()
+        ray.stop()
+
+
+def _exec(http, session_id: str, code: str) -> dict:
+    answer = http.post(f"/sessions/{session_id}/exec",
+                       json={"tool": "code_execution", "input": {"code": code}})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def _host_of(identifier: str) -> str:
+    return identifier[:key_length()]
+
+
+def test_sessions_spread_over_the_nodes_and_every_call_reaches_its_node(cluster):
+    front = cluster.front_end("front")
+    with front.client() as http:
+        sessions = [http.post("/sessions", json={}).json()["session_id"] for _ in range(3)]
+        # Placed where there is most room: one on each node.
+        assert len({_host_of(s) for s in sessions}) == 3, sessions
+        for index, session in enumerate(sessions):
+            _exec(http, session, f"n = {index}")
+        # State stays on each session's node: every call found its interpreter.
+        assert [_exec(http, s, "print(n)")["result_block"]["content"]["stdout"]
+                for s in sessions] == ["0\n", "1\n", "2\n"]
+        # A streamed call through the front end: output events, then the result.
+        with connect_sse(http, "POST", f"/sessions/{sessions[1]}/exec",
+                         json={"tool": "code_execution", "input": {
+                             "code": "import time\nfor i in range(3):\n"
+                                     "    print(i, flush=True); time.sleep(0.2)"}}) as events:
+            names = [sse.event for sse in events.iter_sse()]
+        assert "output" in " ".join(names) and names[-1] in ("result", "done"), names
+
+        # A run whose code calls the client's tool: the tool call travels to the
+        # client through the front end, and its answer back to the run's node.
+        with connect_sse(http, "POST", "/v1/code-execution/runs", json={
+                "code": "print(lookup(word='shoal'))", "tools": [TOOL],
+                "allowed_tools": ["lookup"]}) as events:
+            for sse in events.iter_sse():
+                if sse.event == "tool_call.required":
+                    data = sse.json()
+                    answered = http.post(
+                        f"/v1/code-execution/runs/{data['runId']}/tool-results",
+                        json={"results": [{"call_id": data["calls"][0]["call_id"],
+                                           "output": "a school of fish"}]})
+                    assert answered.status_code == 200, answered.text
+                elif sse.event == "run.completed":
+                    completed = sse.json()
+        assert completed["stdout"] == "a school of fish\n", completed
+        record = http.get(f"/v1/code-execution/runs/{completed['runId']}").json()
+        assert record["status"] == "completed" and record["inner_tool_calls"] == 1, record
+
+        # The protocol owner's conformance checks, through the front end.
+        assert_conformant(run_checks(http, schema_checker(load_contract())))
+
+
+def test_a_container_comes_back_on_another_node_after_kill_9_of_its_node(cluster, tmp_path):
+    first, second = cluster.front_end("a"), cluster.front_end("b")
+    data = os.urandom(1 << 20)
+    with first.client() as one, second.client() as two:
+        container = one.post("/v1/containers", json={"name": "kept"}).json()["id"]
+        session = one.post("/sessions", json={"container": container}).json()["session_id"]
+        node = _host_of(session)
+        wrote = _exec(one, session, "state = 1\nopen('notes.txt', 'w').write('kept\\n')")
+        assert wrote["result_block"]["content"]["return_code"] == 0, wrote
+        # The other front end reaches the same container, on the same node.
+        other = two.post("/sessions", json={"container": container}).json()["session_id"]
+        assert _host_of(other) == node
+        uploaded = two.post(f"/v1/containers/{container}/files", files={"file": ("d.bin", data)})
+        assert uploaded.status_code == 200, uploaded.text
+        time.sleep(2)  # one snapshot cadence: the code's file is in the bucket too
+
+        node_id, index = next((n, i) for n, i in _ray_nodes(cluster).items()
+                              if n.startswith(node[1:]))
+        cluster.kill_node(node_id)  # acknowledged, and then the node dies at once
+
+        # Until Ray declares the node dead the front end says to retry; then the
+        # container moves to a live node, which restores it from its snapshot.
+        deadline = time.monotonic() + 90
+        while True:
+            moved = two.post("/sessions", json={"container": container})
+            if moved.status_code == 201:
+                break
+            assert moved.status_code == 503 and time.monotonic() < deadline, moved.text
+            time.sleep(0.5)
+        again = moved.json()["session_id"]
+        assert _host_of(again) != node
+        found = _exec(two, again, (
+            "import hashlib\nprint(open('notes.txt').read(), end='')\n"
+            "print(hashlib.sha256(open('/mnt/user-data/uploads/d.bin', 'rb').read()).hexdigest())\n"
+            "print('state' in globals())"))
+        assert found["result_block"]["content"]["stdout"].splitlines() == [
+            "kept", hashlib.sha256(data).hexdigest(), "False"], found
+        assert found["interpreter_restarted"] is True
+        # The session on the dead node is gone, not reported live (and releasing
+        # it is the desired state already).
+        assert one.post(f"/sessions/{session}/exec", json={
+            "tool": "code_execution", "input": {"code": "1"}}).status_code == 404
+        assert one.delete(f"/sessions/{session}").status_code == 204
+    _sweep_killed(cluster, index, tmp_path)
+
+
+def _ray_nodes(cluster) -> dict[str, int]:
+    """Alive nodes' ids, each with its index in the cluster (its ``node<i>`` resource)."""
+    import ray
+
+    ray.init(address=cluster.address, logging_level="error", log_to_driver=False)
+    try:
+        return {n["NodeID"]: next(int(r[4:]) for r in n["Resources"] if r[:4] == "node"
+                                  and r[4:].isdigit())
+                for n in ray.nodes() if n["Alive"] and "shoal_host" in n["Resources"]}
+    finally:
+        ray.shutdown()
+
+
+def _sweep_killed(cluster, index: int, tmp_path) -> None:
+    """The killed host's leftovers (sandboxes, mounts) go with a server's next
+    start on its data directory."""
+    node = cluster.nodes[index]
+    env = node["env"]
+    (tmp_path / "sweep").mkdir()
+    start_server(tmp_path / "sweep", uid_base=node["uid_base"], data_dir=Path(node["data_dir"]),
+                 database_url=env["SHOAL_DATABASE_URL"], object_store=env["SHOAL_OBJECT_STORE"],
+                 object_store_endpoint=env["SHOAL_OBJECT_STORE_ENDPOINT"],
+                 object_store_access_key=env["SHOAL_OBJECT_STORE_ACCESS_KEY"],
+                 object_store_secret_key=env["SHOAL_OBJECT_STORE_SECRET_KEY"]).stop()
