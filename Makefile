@@ -32,7 +32,7 @@ test: runtime $(TEST_SYSTEM)
 test-slow: runtime
 	bash scripts/run-tests.sh --allow-empty -m slow
 
-# Cluster mode's suites, on real services (PostgreSQL, SeaweedFS's S3 gateway).
+# Cluster mode's suites, on real services (PostgreSQL, SeaweedFS's S3 gateway, a Ray cluster).
 test-cluster: runtime
 	bash scripts/ensure-system.sh runtime/cluster-packages.txt
 	bash scripts/run-tests.sh -m cluster tests/cluster

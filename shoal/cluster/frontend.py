@@ -55,6 +55,19 @@ _ATTEMPTS = 3
 _BODY_MARGIN = 1 << 20
 
 
+def _named_container(body: dict) -> str | None:
+    """The container a JSON body names: a run's or a session's ``container``,
+    Anthropic's ``container`` (an id, or an object with one), or an OpenAI code
+    interpreter tool's ``container`` id."""
+    candidates = [body.get("container"), body.get("container_id")]
+    if isinstance(body.get("container"), dict):
+        candidates.append(body["container"].get("id"))
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        candidates += [tool.get("container") for tool in tools if isinstance(tool, dict)]
+    return next((c for c in candidates if isinstance(c, str) and c), None)
+
+
 def _error(status: int, detail: str) -> JSONResponse:
     headers = {"Retry-After": "1"} if status == 503 else None
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
@@ -104,9 +117,7 @@ class FrontEnd:
             except ValueError:
                 return None
             if isinstance(parsed, dict):
-                for field in ("container", "container_id"):
-                    if isinstance(parsed.get(field), str) and parsed[field]:
-                        return parsed[field]
+                return _named_container(parsed)
         return None
 
     async def _placed(self, tenant: str, container_id: str, holder: str | None = None) -> Host:
@@ -213,8 +224,9 @@ def create_front_end(settings: Settings) -> Starlette:
     async def health(request: Request) -> Response:
         hosts = front.membership.hosts
         up = [h for h in hosts.values() if h.healthy]
+        # hosts: serving what they hold; ready: taking new sessions and containers too.
         return JSONResponse({"status": "ok" if up else "degraded", "role": "front end",
-                             "version": __version__, "hosts": len(up),
+                             "version": __version__, "hosts": len(hosts), "ready": len(up),
                              "free_slots": sum(max(0, h.free) for h in up)})
 
     async def readyz(request: Request) -> Response:

@@ -9,6 +9,11 @@ cluster's database and object store. That server dies with the actor
 (``PR_SET_PDEATHSIG``), and the actor with its node, so a node Ray reports dead
 runs nothing the cluster would still route to.
 
+To take a node out, stop its server with SIGTERM (it drains: it finishes its
+calls and snapshots every container it holds) and then ``ray stop`` the node;
+in between the actor reports the host drained, so no front end starts another
+one there and the containers it held move on their next use.
+
 The server listens on ``SHOAL_HOST`` if the node sets it, else on the node's
 address in the Ray cluster: where the front ends can reach it, and nowhere a
 sandbox can (sandboxes have no network).
@@ -91,10 +96,21 @@ class SandboxHost:
         ready.set()  # the server exited
 
     def url(self) -> str:
-        if self._process.poll() is not None:
-            # Its server is gone: so is this host (the front ends start a new one).
-            ray.actor.exit_actor()
+        self.state()
         return self._url
+
+    def state(self) -> str:
+        """``serving``; or ``drained``: its server was stopped (SIGTERM: it finished
+        its calls and snapshotted its containers) and the node should get no new
+        host until it leaves the cluster. A server that died otherwise takes this
+        actor with it, and the front ends start a new host on the node."""
+        code = self._process.poll()
+        if code is None:
+            return "serving"
+        if code in (0, -signal.SIGTERM, -signal.SIGINT):
+            return "drained"
+        ray.actor.exit_actor()
+        return "gone"
 
     def stop(self, timeout: float = 60) -> int:
         """Drain and stop the node's server (its sandboxes' containers are snapshotted)."""

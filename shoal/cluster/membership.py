@@ -28,6 +28,9 @@ from .host import HOST_RESOURCE, NAMESPACE, SandboxHost, node_key
 
 log = logging.getLogger("shoal.cluster")
 REFRESH_SECONDS = 1.0
+# A host whose /health has not answered this many refreshes in a row is asked
+# (through Ray) what became of it.
+_SILENT_POLLS = 3
 _HOST_START_SECONDS = 180
 
 
@@ -40,8 +43,10 @@ class Host:
     key: str
     node_id: str
     url: str
+    actor: object = None
     free: int = 0  # session slots not taken, by the host's last /health
-    healthy: bool = True
+    healthy: bool = True  # takes new sessions and containers (its /health says ok)
+    silent: int = 0  # polls in a row its /health did not answer
 
 
 class Membership:
@@ -49,15 +54,20 @@ class Membership:
         self._address = address
         self._headers = {"Authorization": f"Bearer {operator_token}"} if operator_token else {}
         self.hosts: dict[str, Host] = {}
+        self._drained: set[str] = set()  # nodes whose host was drained: none started again
         self._starting: dict[str, asyncio.Task] = {}
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False)
         self._task: asyncio.Task | None = None
-        self.changed = asyncio.Event()
 
     async def start(self) -> None:
         address = None if self._address == "auto" else self._address
         await asyncio.to_thread(ray.init, address=address or "auto", namespace=NAMESPACE,
                                 logging_level=logging.WARNING, log_to_driver=False)
+        # Ray's logging set-up (dictConfig) disables the loggers that existed
+        # before it: ours keep logging.
+        for name, logger in logging.Logger.manager.loggerDict.items():
+            if name.startswith(("shoal", "uvicorn")) and isinstance(logger, logging.Logger):
+                logger.disabled = False
         await self.refresh(wait=True)
         self._task = asyncio.create_task(self._forever())
 
@@ -102,14 +112,15 @@ class Membership:
         for key in gone:
             log.warning("sandbox host %s is gone (its node left the cluster)", key)
             del self.hosts[key]
+        self._drained &= set(alive)
         for key, node_id in alive.items():
-            if key not in self.hosts and key not in self._starting:
+            if key not in self.hosts and key not in self._starting and key not in self._drained:
                 self._starting[key] = asyncio.create_task(self._start_host(key, node_id))
         if wait and self._starting:
             await asyncio.gather(*self._starting.values(), return_exceptions=True)
         await asyncio.gather(*(self._poll(host) for host in list(self.hosts.values())))
-        if gone:
-            self.changed.set()
+        for host in [h for h in self.hosts.values() if h.silent >= _SILENT_POLLS]:
+            await self._ask(host)
 
     async def _start_host(self, key: str, node_id: str) -> None:
         try:
@@ -120,7 +131,7 @@ class Membership:
             ).remote(key)
             url = await asyncio.wait_for(asyncio.wrap_future(actor.url.remote().future()),
                                          _HOST_START_SECONDS)
-            host = Host(key, node_id, url)
+            host = Host(key, node_id, url, actor)
             await self._poll(host)
             self.hosts[key] = host
             log.info("sandbox host %s serves at %s", key, url)
@@ -133,6 +144,27 @@ class Membership:
         try:
             body = (await self._client.get(f"{host.url}/health", headers=self._headers)).json()
             host.free = int(body["max_sessions"]) - int(body["sessions"])
-            host.healthy = body.get("status") == "ok" or host.free > 0
+            # Degraded (draining, full, no uids): still serves what it holds, takes nothing new.
+            host.healthy = body.get("status") == "ok"
+            host.silent = 0
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             host.healthy = False
+            host.silent += 1
+
+    async def _ask(self, host: Host) -> None:
+        """A host that stopped answering on a node Ray reports alive: its actor
+        says whether its server was drained (the node gets no new host) or died
+        (a new host starts there on the next refresh)."""
+        try:
+            state = await asyncio.wait_for(
+                asyncio.wrap_future(host.actor.state.remote().future()), 10)
+        except asyncio.TimeoutError:
+            return  # busy or slow: asked again next round
+        except Exception:  # noqa: BLE001 - the actor is gone with its server
+            state = "gone"
+        if state == "serving":
+            return
+        log.warning("sandbox host %s is %s", host.key, state)
+        self.hosts.pop(host.key, None)
+        if state == "drained":
+            self._drained.add(host.key)

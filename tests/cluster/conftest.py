@@ -284,6 +284,11 @@ class RayCluster:
                 pass
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def host_server(self, key: str) -> int:
+        """The pid of the sandbox host server with this node key."""
+        (pid,) = [pid for pid in self._host_servers() if pid in self.host_processes(key)]
+        return pid
+
     def _host_servers(self) -> list[int]:
         """This cluster's sandbox host servers (``shoal serve`` with a node's data dir)."""
         found = []

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -51,7 +53,7 @@ def cluster(postgres_url, seaweedfs, tmp_path):
                               object_store_secret_key=f"@{secret}")
         fronts.append(server)
         deadline = time.monotonic() + 180  # every node's host started and answering
-        while httpx.get(f"{server.url}/health").json()["hosts"] < 3:
+        while httpx.get(f"{server.url}/health").json()["ready"] < 3:
             assert time.monotonic() < deadline, server.log()
             time.sleep(0.5)
         return server
@@ -162,6 +164,49 @@ def test_a_container_comes_back_on_another_node_after_kill_9_of_its_node(cluster
             "tool": "code_execution", "input": {"code": "1"}}).status_code == 404
         assert one.delete(f"/sessions/{session}").status_code == 204
     _sweep_killed(cluster, index, tmp_path)
+
+
+def test_a_drained_host_finishes_its_calls_then_its_containers_move(cluster):
+    front = cluster.front_end("front")
+    with front.client() as http:
+        container = http.post("/v1/containers", json={"name": "moving"}).json()["id"]
+        session = http.post("/sessions", json={"container": container}).json()["session_id"]
+        node = _host_of(session)
+        answers = []
+
+        def long_call() -> None:
+            with front.client() as own:
+                answers.append(own.post(f"/sessions/{session}/exec", json={
+                    "tool": "code_execution", "input": {"code": (
+                        "import time\ntime.sleep(3)\n"
+                        "open('late.txt', 'w').write('finished')\nprint('done')")}}))
+
+        caller = threading.Thread(target=long_call)
+        caller.start()
+        time.sleep(1)  # the call is running on the host
+        os.kill(cluster.host_server(node), signal.SIGTERM)  # the operator drains the node
+        caller.join(60)
+        # The call in flight finished, whole, before the host stopped.
+        assert answers and answers[0].status_code == 200, answers
+        assert answers[0].json()["result_block"]["content"]["stdout"] == "done\n"
+
+        deadline = time.monotonic() + 60
+        while http.get("/health").json()["hosts"] != 2:
+            assert time.monotonic() < deadline, front.log()
+            time.sleep(0.5)
+        # Drained: nothing new goes there, its session is gone, and the container
+        # moves with everything the last call wrote (snapshotted as the host stopped).
+        moved = http.post("/sessions", json={"container": container})
+        assert moved.status_code == 201, moved.text
+        again = moved.json()["session_id"]
+        assert _host_of(again) != node
+        found = _exec(http, again, "print(open('late.txt').read())")
+        assert found["result_block"]["content"]["stdout"] == "finished\n", found
+        assert found["interpreter_restarted"] is True
+        assert http.post(f"/sessions/{session}/exec", json={
+            "tool": "code_execution", "input": {"code": "1"}}).status_code == 404
+        fresh = [http.post("/sessions", json={}).json()["session_id"] for _ in range(4)]
+        assert node not in {_host_of(s) for s in fresh}
 
 
 def _ray_nodes(cluster) -> dict[str, int]:

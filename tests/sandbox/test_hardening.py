@@ -183,7 +183,10 @@ for i in range(12000):
     for _ in range(3):
         listed = sandbox.files.list(SandboxPath("/mnt/user-data/outputs", ()))
         assert len(listed) == 10_000  # capped
-    assert len(os.listdir("/proc/self/fd")) == before, "a listing left fds open"
+    # At most as many as before: the pool in this process may close one of its own
+    # meanwhile (a refill finishing), while the leak this guards against left one
+    # fd per pending directory, dozens per listing.
+    assert len(os.listdir("/proc/self/fd")) <= before, "a listing left fds open"
 
 
 @pytest.fixture
