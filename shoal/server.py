@@ -148,13 +148,8 @@ def serve_front_end(settings: Settings) -> int:
     from .cluster.frontend import create_front_end
 
     host, port = listener.getsockname()[:2]
-    config = uvicorn.Config(
-        create_front_end(settings), loop="uvloop", http="httptools", lifespan="on",
-        access_log=False, log_config=None, log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.drain_seconds or 2,
-        timeout_keep_alive=settings.keep_alive_seconds)
-    server = _AnnouncingServer(config, f"shoal: serving on http://{host}:{port} "
-                                       "(cluster front end)")
+    server = _AnnouncingServer(_uvicorn_config(create_front_end(settings), settings),
+                               f"shoal: serving on http://{host}:{port} (cluster front end)")
     try:
         server.run(sockets=[listener])
     except SystemExit:
@@ -165,6 +160,14 @@ def serve_front_end(settings: Settings) -> int:
               "above)", file=sys.stderr, flush=True)
         os._exit(1)
     return 0
+
+
+def _uvicorn_config(app, settings: Settings) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, loop="uvloop", http="httptools", lifespan="on", access_log=False,
+        log_config=None, log_level=settings.log_level,
+        timeout_graceful_shutdown=2,  # after the drain (shoal.draining)
+        timeout_keep_alive=settings.keep_alive_seconds)
 
 
 class _AnnouncingServer(uvicorn.Server):
@@ -203,12 +206,7 @@ def serve(settings: Settings) -> int:
 
     host, port = listener.getsockname()[:2]
     app = create_app(settings)
-    config = uvicorn.Config(
-        app, loop="uvloop", http="httptools", lifespan="on", access_log=False,
-        log_config=None, log_level=settings.log_level,
-        timeout_graceful_shutdown=2,  # after the drain (shoal.draining)
-        timeout_keep_alive=settings.keep_alive_seconds)
-    server = DrainingServer(config, app, on_started=lambda: print(
+    server = DrainingServer(_uvicorn_config(app, settings), app, on_started=lambda: print(
         f"shoal: serving on http://{host}:{port}", file=sys.stderr, flush=True))
     try:
         server.run(sockets=[listener])

@@ -35,6 +35,7 @@ from starlette.routing import Route
 from shoal import __version__
 from shoal.api.auth import OPEN_TENANT, TokenTable, operator_tokens_of, bearer_token
 from shoal.api.errors import PLACEMENT_HEADER
+from shoal.api.observability import ALIAS_PREFIX
 from shoal.config import Settings, read_secret
 from shoal.storage import open_metadata
 
@@ -103,8 +104,13 @@ class FrontEnd:
         return self.tokens.tenant_for(token) if token else None
 
     @staticmethod
-    def _container_of(request: Request, body: bytes) -> str | None:
+    def _path(request: Request) -> str:
+        """The route a host will see (Zylon's clients prefix every route with an alias)."""
         path = request.url.path
+        return path[len(ALIAS_PREFIX):] if path.startswith(ALIAS_PREFIX + "/") else path
+
+    def _container_of(self, request: Request, body: bytes) -> str | None:
+        path = self._path(request)
         for pattern in _CONTAINER_PATHS:
             match = pattern.match(path)
             if match:
@@ -129,6 +135,10 @@ class FrontEnd:
         host = self.membership.alive(holder)
         if host is not None:
             return host
+        if not self.membership.gone(holder):
+            # Ray reports its node alive: its host is starting (or restarting) and
+            # may hold the container's latest files; it does not move.
+            raise NoHost("the container's sandbox host is starting; retry")
         chosen = self.membership.roomiest()
         moved = await self.metadata.claim_placement(tenant, container_id, chosen.key,
                                                     replacing=holder)
@@ -141,7 +151,7 @@ class FrontEnd:
         return chosen
 
     async def _target(self, request: Request, body: bytes) -> Host | Response:
-        path = request.url.path
+        path = self._path(request)
         match = _SESSION.match(path)
         if match and path != "/sessions":
             host = self.membership.alive(match.group(1)[:key_length()])
@@ -169,11 +179,12 @@ class FrontEnd:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return _error(413, f"the request body is larger than {limit} bytes")
-        body = b""
+        received = bytearray()
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
+            received += chunk
+            if len(received) > limit:
                 return _error(413, f"the request body is larger than {limit} bytes")
+        body = bytes(received)
         try:
             target = await self._target(request, body)
         except NoHost as exc:
@@ -206,9 +217,11 @@ class FrontEnd:
 
     async def _send(self, host: Host, request: Request, body: bytes) -> httpx.Response:
         headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in _HOP]
-        outgoing = self.client.build_request(
-            request.method, host.url + request.url.path,
-            params=request.url.query or None, headers=headers, content=body)
+        # The path as the client sent it (still percent-encoded), and its query as is.
+        raw = request.scope.get("raw_path") or request.url.path.encode()
+        query = request.scope.get("query_string") or b""
+        url = httpx.URL(host.url).copy_with(raw_path=raw + (b"?" + query if query else b""))
+        outgoing = self.client.build_request(request.method, url, headers=headers, content=body)
         return await self.client.send(outgoing, stream=True)
 
 

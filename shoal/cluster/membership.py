@@ -55,6 +55,7 @@ class Membership:
         self._headers = {"Authorization": f"Bearer {operator_token}"} if operator_token else {}
         self.hosts: dict[str, Host] = {}
         self._drained: set[str] = set()  # nodes whose host was drained: none started again
+        self._nodes: set[str] = set()  # host keys of the nodes Ray last reported alive
         self._starting: dict[str, asyncio.Task] = {}
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False)
         self._task: asyncio.Task | None = None
@@ -82,6 +83,13 @@ class Membership:
     def alive(self, key: str) -> Host | None:
         return self.hosts.get(key)
 
+    def gone(self, key: str) -> bool:
+        """Whether what the host ``key`` held may move: its node left the cluster
+        (Ray says so), or its server was drained. A host this front end does not
+        know yet on a node Ray reports alive (another front end just started it)
+        is not gone."""
+        return key not in self._nodes or key in self._drained
+
     def roomiest(self, exclude: set[str] = frozenset()) -> Host:
         """The host with the most free session slots (ties at random)."""
         candidates = [h for h in self.hosts.values() if h.healthy and h.key not in exclude]
@@ -108,6 +116,7 @@ class Membership:
         nodes = await asyncio.to_thread(ray.nodes)
         alive = {node_key(n["NodeID"]): n["NodeID"] for n in nodes
                  if n.get("Alive") and n.get("Resources", {}).get(HOST_RESOURCE, 0) >= 1}
+        self._nodes = set(alive)
         gone = set(self.hosts) - set(alive)
         for key in gone:
             log.warning("sandbox host %s is gone (its node left the cluster)", key)

@@ -175,6 +175,25 @@ class ContainerManager:
         await self._hold(tenant, container_id)
         return record
 
+    async def _still_held(self, key: tuple[str, str]) -> bool:
+        """Cluster mode: whether this host still holds the container. A front end
+        moves a container only off a host the cluster reported gone; a host that
+        finds it was moved (it was cut off, and came back) must not write its
+        copy over the holder's snapshot: its copy is dropped instead."""
+        host = self.settings.node_key
+        if not host:
+            return True
+        if await self.metadata.placement(*key) == host:
+            return True
+        log.warning("container %s was moved to another host: this host's copy is dropped",
+                    key[1])
+        self._held.discard(key)
+        live = self._live.pop(key, None)
+        if live is not None:
+            await live.sandbox.close()
+        await asyncio.to_thread(self.files.drop_local, *key)
+        return False
+
     async def _hold(self, tenant: str, container_id: str) -> None:
         """Cluster mode: every use of a container happens on the one sandbox host
         that holds it, so its files have one writer. The first use places it
@@ -355,10 +374,13 @@ class ContainerManager:
             live = self._live.pop(key)
             log.info("shutting down idle sandbox of container %s", key[1])
             await live.sandbox.close()
-            await asyncio.to_thread(self.files.detach, *key)  # its last snapshot, if kept
+            if await self._still_held(key):
+                await asyncio.to_thread(self.files.detach, *key)  # its last snapshot, if kept
         if self.files.snapshots:
             await self._checkpoint_due(now)
         for record in await self.metadata.expired_containers(time.time()):
+            if self.settings.node_key and (record.tenant, record.id) not in self._held:
+                continue  # another host's: its holder reaps it
             current = self._records.get((record.tenant, record.id), record)
             if current.expires_at > time.time():
                 continue  # touched since the last write-through
@@ -377,28 +399,41 @@ class ContainerManager:
             self._live[key].checkpointed = now
         for key in dict.fromkeys([*due, *self.files.unsaved()]):
             try:
-                await asyncio.to_thread(self.files.checkpoint, *key, key in self._live)
+                if await self._still_held(key):
+                    await asyncio.to_thread(self.files.checkpoint, *key, key in self._live)
             except StoreUnavailable:
                 pass  # logged by the store; kept in its unsaved list, tried next time
+            except Exception:  # noqa: BLE001 - one container's failure stops no other's
+                log.exception("could not snapshot container %s", key[1])
 
     async def checkpoint(self, record: ContainerRecord) -> None:
         """What was just written to the container, durable beyond this host before
         it is acknowledged (a no-op without an object store)."""
         if self.files.snapshots:
+            key = (record.tenant, record.id)
+            if not await self._still_held(key):
+                # Written here, on a copy that is not the container's any more: the
+                # front end sends the request again, to the holder.
+                raise ContainerElsewhere(await self.metadata.placement(*key) or "")
             await asyncio.to_thread(self.files.checkpoint, record.tenant, record.id,
-                                    (record.tenant, record.id) in self._live)
+                                    key in self._live)
 
     async def close(self) -> None:
         for key, record in list(self._records.items()):
             await self.metadata.touch_container(record)
         lives, self._live = list(self._live.items()), {}
         await asyncio.gather(*(live.sandbox.close() for _, live in lives), return_exceptions=True)
-        # Each container's last snapshot (cluster mode), as at an idle shutdown.
-        for key, _ in lives:
+        # Each container's last snapshot (cluster mode), as at an idle shutdown, and
+        # another try for those whose last one failed.
+        for key in dict.fromkeys([key for key, _ in lives] + self.files.unsaved()):
             try:
-                await asyncio.to_thread(self.files.detach, *key)
+                if await self._still_held(key):
+                    await asyncio.to_thread(self.files.detach, *key)
             except Exception:  # noqa: BLE001 - the rest still get theirs
                 log.exception("could not detach container %s", key[1])
+        if self.files.unsaved():
+            log.error("stopping with %d containers not snapshotted: their latest files are "
+                      "on this host only", len(self.files.unsaved()))
         await asyncio.to_thread(self.files.close)
 
 

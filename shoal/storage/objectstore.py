@@ -232,8 +232,10 @@ class ObjectStoreFiles(FileStore):
                 previous = self._known.get(key)
                 if previous is None:
                     previous = self._snapshots.manifest(tenant, container_id)
+                self._spool_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
                 manifest, sent = self._snapshots.save(
-                    tenant, container_id, home.root, previous, sandboxed or key in self._attached)
+                    tenant, container_id, home.root, previous, sandboxed or key in self._attached,
+                    self._spool_dir)
         except SnapshotTooLarge as exc:
             # Retrying cannot help: the files stay on this host only, said loudly.
             self._unsaved.discard(key)
@@ -246,7 +248,7 @@ class ObjectStoreFiles(FileStore):
         self._unsaved.discard(key)
         if manifest is not previous:
             self._set_local_version(tenant, container_id, manifest.version)
-            log.debug("container %s snapshotted: version %d, %d bytes sent", container_id,
+            log.debug("container %s snapshotted: version %s, %d bytes sent", container_id,
                       manifest.version, sent)
         self._known[key] = manifest
 

@@ -22,8 +22,9 @@ What is saved is what the sandbox and the Files API can change (the
 workspace, outputs, uploads and the container's skills); the rest of a home is
 laid out anew for each sandbox. The walk never follows a link (a link is saved
 as a link), skips what is not a file, directory or link, and a container with
-more entries than :data:`MAX_ENTRIES` is not snapshotted at all (logged): a
-partial snapshot would restore as a container that silently lost files.
+more entries than :data:`MAX_ENTRIES` (or nested deeper than :data:`MAX_DEPTH`)
+is not snapshotted at all (logged): a partial snapshot would restore as a
+container that silently lost files.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ log = logging.getLogger("shoal.storage")
 
 SAVED_DIRS = ("workspace", "outputs", "uploads", "skills")
 MAX_ENTRIES = 50_000
+MAX_DEPTH = 256
 _CHUNK = 1 << 20
 _SPOOL_BYTES = 8 << 20
 _FORMAT = 1
@@ -59,7 +61,8 @@ class SnapshotTooLarge(RuntimeError):
 @dataclass(frozen=True)
 class Manifest:
     version: str
-    # path -> [kind, mode, size, mtime_ns, ref]: kind "f" (ref: SHA-256), "d", "l" (ref: target)
+    # path -> [kind, mode, size, mtime_ns, ref, ctime_ns]: kind "f" (ref: SHA-256), "d",
+    # "l" (ref: target); ctime_ns is the saving host's, only ever compared there.
     entries: dict[str, list]
     # Whether a sandbox ever worked on the files (not only the Files API): a
     # restore of such a container starts a fresh interpreter on someone's state.
@@ -82,6 +85,11 @@ class Manifest:
             raise ValueError("a snapshot manifest without entries or version")
         for path, entry in entries.items():
             _check_entry(path, entry)
+            parent = path.rpartition("/")[0]
+            # A restore writes as root: nothing goes below an entry that is not a
+            # directory of this very manifest (a link included).
+            if parent and entries.get(parent, [None])[0] != "d":
+                raise ValueError(f"a snapshot manifest names {path!r} below a non-directory")
         return cls(body["version"], entries, bool(body.get("sandboxed")))
 
 
@@ -91,49 +99,89 @@ def _check_entry(path: str, entry: object) -> None:
     parts = path.split("/")
     if parts[0] not in SAVED_DIRS or any(p in ("", ".", "..") for p in parts) or "\x00" in path:
         raise ValueError(f"a snapshot manifest names an impossible path {path!r}")
-    if (not isinstance(entry, list) or len(entry) != 5 or entry[0] not in ("f", "d", "l")
-            or not all(isinstance(n, int) for n in entry[1:4]) or not isinstance(entry[4], str)):
+    if (not isinstance(entry, list) or len(entry) != 6 or entry[0] not in ("f", "d", "l")
+            or not all(isinstance(n, int) for n in (*entry[1:4], entry[5]))
+            or not isinstance(entry[4], str)):
         raise ValueError(f"a snapshot manifest entry for {path!r} is malformed")
 
 
-def scan(root: Path) -> dict[str, list]:
-    """The saved directories under ``root``: every entry, links not followed
-    (a blob's hash is left empty, to be filled in by :meth:`Snapshots.save`)."""
-    entries: dict[str, list] = {}
-    stack = [name for name in SAVED_DIRS if os.path.isdir(root / name)]
-    while stack:
-        relative = stack.pop()
-        try:
-            listing = os.scandir(root / relative)
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # removed while we walked
-        with listing:
-            for item in listing:
-                path = f"{relative}/{item.name}"
-                try:
-                    info = item.stat(follow_symlinks=False)
-                except FileNotFoundError:
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def walk(root: Path):
+    """Every entry of the saved directories under ``root``, as (path, entry,
+    directory fd, name): links never followed, at any level. The walk holds each
+    directory of the current path open and goes on by name relative to it
+    (``O_NOFOLLOW``), so code that swaps a directory for a link while a snapshot
+    runs (it runs beside the sandbox) sends the walk nowhere but into its own
+    files. Depth first: it holds one fd per level, never one per directory still
+    to visit. Entries are ``[kind, mode, size, mtime_ns, ref, ctime_ns]``; a
+    file's ref is filled in by the caller."""
+    top = os.open(root, _DIR_FLAGS)
+    opened = [top]
+    try:
+        count = 0
+        for name in SAVED_DIRS:
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=top)
+            except OSError:
+                continue  # absent (or not a directory): nothing of it is saved
+            opened.append(fd)
+            info = os.fstat(fd)
+            yield name, ["d", stat.S_IMODE(info.st_mode), 0, info.st_mtime_ns, "", 0], top, name
+            stack = [(name, fd, _listing(fd))]
+            while stack:
+                relative, directory, items = stack[-1]
+                if not items:
+                    stack.pop()
+                    opened.remove(directory)
+                    os.close(directory)
                     continue
+                item, info = items.pop()
+                count += 1
+                if count > MAX_ENTRIES:
+                    raise SnapshotTooLarge(f"more than {MAX_ENTRIES} files and directories")
+                path = f"{relative}/{item}"
+                mode = stat.S_IMODE(info.st_mode)
                 if stat.S_ISREG(info.st_mode):
-                    entry = ["f", stat.S_IMODE(info.st_mode), info.st_size, info.st_mtime_ns, ""]
+                    yield path, ["f", mode, info.st_size, info.st_mtime_ns, "",
+                                 info.st_ctime_ns], directory, item
                 elif stat.S_ISDIR(info.st_mode):
-                    entry = ["d", stat.S_IMODE(info.st_mode), 0, info.st_mtime_ns, ""]
-                    stack.append(path)
+                    if len(stack) >= MAX_DEPTH:
+                        raise SnapshotTooLarge(f"directories nested more than {MAX_DEPTH} deep")
+                    try:
+                        child = os.open(item, _DIR_FLAGS, dir_fd=directory)
+                    except OSError:
+                        continue  # gone, or swapped for something else
+                    opened.append(child)
+                    yield path, ["d", mode, 0, info.st_mtime_ns, "", 0], directory, item
+                    stack.append((path, child, _listing(child)))
                 elif stat.S_ISLNK(info.st_mode):
                     try:
-                        entry = ["l", 0o777, 0, 0, os.readlink(item.path)]
+                        target = os.readlink(item, dir_fd=directory)
                     except OSError:
                         continue
-                else:
-                    continue  # fifos, sockets, devices: nothing a container keeps
-                entries[path] = entry
-                if len(entries) > MAX_ENTRIES:
-                    raise SnapshotTooLarge(f"more than {MAX_ENTRIES} files and directories")
-    for name in SAVED_DIRS:
-        if os.path.isdir(root / name):
-            info = os.lstat(root / name)
-            entries[name] = ["d", stat.S_IMODE(info.st_mode), 0, info.st_mtime_ns, ""]
-    return entries
+                    yield path, ["l", 0o777, 0, 0, target, 0], directory, item
+                # fifos, sockets, devices: nothing a container keeps
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _listing(directory: int) -> list[tuple[str, os.stat_result]]:
+    try:
+        with os.scandir(directory) as listing:
+            return [(item.name, item.stat(follow_symlinks=False)) for item in listing]
+    except OSError:
+        return []
+
+
+def _same_content(before: list | None, entry: list) -> bool:
+    """Unchanged since the last snapshot by every time the kernel keeps (the
+    change time too: code can set a file's modification time, not that)."""
+    return (before is not None and before[0] == "f" and before[2:4] == entry[2:4]
+            and len(before) > 5 and before[5] == entry[5])
 
 
 class Snapshots:
@@ -163,31 +211,29 @@ class Snapshots:
             raise StoreUnavailable("the container's snapshot cannot be read") from None
 
     def save(self, tenant: str, container_id: str, root: Path, previous: Manifest | None,
-             sandboxed: bool) -> tuple[Manifest, int]:
+             sandboxed: bool, spool_dir: Path | None = None) -> tuple[Manifest, int]:
         """Snapshot the files under ``root`` after ``previous`` (the bucket's
         current manifest, or None): the new manifest, and the bytes sent. When
         nothing changed, ``previous`` itself and 0."""
-        entries = scan(root)
         known = previous.entries if previous is not None else {}
         stored = previous.blobs() if previous is not None else set()
         base = self._base(tenant, container_id)
+        entries: dict[str, list] = {}
         sent = 0
-        for path, entry in entries.items():
-            if entry[0] != "f":
-                continue
-            before = known.get(path)
-            if before is not None and before[0] == "f" and before[2:4] == entry[2:4]:
-                entry[4] = before[4]  # same size, same time: the same content
-                continue
-            digest = self._put_blob(base, root / path, entry, stored)
-            if digest is None:
-                continue  # gone or unreadable since the walk: not in this snapshot
-            if digest not in stored:
-                sent += entry[2]
-                stored.add(digest)
-            entry[4] = digest
-        entries = {path: entry for path, entry in entries.items()
-                   if entry[0] != "f" or entry[4]}
+        for path, entry, directory, name in walk(root):
+            if entry[0] == "f":
+                before = known.get(path)
+                if _same_content(before, entry):
+                    entry[4] = before[4]
+                else:
+                    digest = self._put_blob(base, directory, name, entry, stored, spool_dir)
+                    if digest is None:
+                        continue  # gone or unreadable since the listing: not in this one
+                    if digest not in stored:
+                        sent += entry[2]
+                        stored.add(digest)
+                    entry[4] = digest
+            entries[path] = entry
         sandboxed = sandboxed or (previous is not None and previous.sandboxed)
         if previous is not None and previous.entries == entries and previous.sandboxed == sandboxed:
             return previous, 0
@@ -200,14 +246,17 @@ class Snapshots:
             self._client.delete_object(Bucket=self._bucket, Key=f"{base}blobs/{digest}")
         return manifest, sent
 
-    def _put_blob(self, base: str, path: Path, entry: list, stored: set[str]) -> str | None:
-        """Hash a file (read once, through a spool) and send it unless the bucket
-        has that content; its SHA-256, or None if it cannot be read now."""
+    def _put_blob(self, base: str, directory: int, name: str, entry: list, stored: set[str],
+                  spool_dir: Path | None) -> str | None:
+        """Hash a file (opened by name in its directory, never through a link;
+        read once, through a spool) and send it unless the bucket has that
+        content; its SHA-256, or None if it cannot be read now."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(name, _FILE_FLAGS, dir_fd=directory)
         except OSError:
             return None
-        with os.fdopen(fd, "rb") as source, tempfile.SpooledTemporaryFile(_SPOOL_BYTES) as spool:
+        with os.fdopen(fd, "rb") as source, tempfile.SpooledTemporaryFile(
+                _SPOOL_BYTES, dir=spool_dir) as spool:
             info = os.fstat(source.fileno())
             if not stat.S_ISREG(info.st_mode):
                 return None
@@ -217,9 +266,11 @@ class Snapshots:
                 md5.update(chunk)
                 spool.write(chunk)
                 size += len(chunk)
-            # What was read is what is described: a file written meanwhile is
-            # taken as read now, and its new time makes the next snapshot look again.
+            after = os.fstat(source.fileno())
+            # What was read is what is described. A file written while it was read
+            # is recorded with no change time, so the next snapshot reads it again.
             entry[2], entry[3] = size, info.st_mtime_ns
+            entry[5] = info.st_ctime_ns if after.st_ctime_ns == info.st_ctime_ns else 0
             digest = sha.hexdigest()
             if digest not in stored:
                 spool.seek(0)
@@ -235,7 +286,7 @@ class Snapshots:
         # Parents before children; directories' own times last (writing into
         # them moves their times).
         ordered = sorted(manifest.entries.items(), key=lambda item: item[0].count("/"))
-        for path, (kind, mode, _, mtime_ns, ref) in ordered:
+        for path, (kind, mode, _, mtime_ns, ref, _) in ordered:
             target = root / path
             if kind == "d":
                 target.mkdir(mode=0o700, exist_ok=True)
@@ -247,7 +298,7 @@ class Snapshots:
                 os.chmod(target, mode, follow_symlinks=False)
             if kind == "f":
                 os.utime(target, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
-        for path, (kind, _, _, mtime_ns, _) in reversed(ordered):
+        for path, (kind, _, _, mtime_ns, _, _) in reversed(ordered):
             if kind == "d":
                 os.utime(root / path, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
+
 from tests.serving import Server, start_server
 
 from .contract import load_contract, schema_checker

@@ -224,31 +224,13 @@ class RayCluster:
                 "RAY_health_check_failure_threshold": "4"}
 
     def _processes(self, needle: str) -> list[int]:
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                    if needle.encode() in handle.read():
-                        found.append(int(entry))
-            except OSError:
-                continue
-        return found
+        """Processes whose command line holds ``needle``."""
+        return [pid for pid, argv, _ in _each_process() if needle.encode() in argv]
 
     def host_processes(self, key: str) -> list[int]:
         """The processes of the sandbox host with this node key (its server)."""
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as handle:
-                    if f"SHOAL_NODE_KEY={key}\0".encode() in handle.read():
-                        found.append(int(entry))
-            except OSError:
-                continue
-        return found
+        marker = f"SHOAL_NODE_KEY={key}\0".encode()
+        return [pid for pid, _, environ in _each_process() if marker in environ]
 
     def kill_node(self, node_id: str) -> None:
         """``kill -9`` of a node: its raylet, its agents, its workers, its host."""
@@ -292,18 +274,38 @@ class RayCluster:
     def _host_servers(self) -> list[int]:
         """This cluster's sandbox host servers (``shoal serve`` with a node's data dir)."""
         found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                    argv = handle.read().split(b"\0")
-                with open(f"/proc/{entry}/environ", "rb") as handle:
-                    environ = handle.read()
-            except OSError:
-                continue
+        for pid, raw, environ in _each_process():
+            argv = raw.split(b"\0")
             serving = any(a.endswith(b"/shoal") and b"serve" in argv[i + 1:i + 2]
                           for i, a in enumerate(argv))
             if serving and f"SHOAL_DATA_DIR={self.root}/".encode() in environ:
-                found.append(int(entry))
+                found.append(pid)
         return found
+
+
+def _each_process():
+    """(pid, command line, environment) of every process this test can read."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                argv = handle.read()
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environ = handle.read()
+        except OSError:
+            continue
+        yield int(entry), argv, environ
+
+
+def object_store_front_end(tmp_path, name: str, uid_base: int, postgres_url: str, seaweedfs,
+                           bucket: str, **settings):
+    """``shoal serve`` on the database and a bucket of the SeaweedFS gateway."""
+    from tests.serving import start_server
+
+    secret = tmp_path / f"{name}.secret"
+    secret.write_text(seaweedfs.secret_key + "\n")
+    return start_server(tmp_path / name, uid_base=uid_base, database_url=postgres_url,
+                        object_store=f"s3://{bucket}/shoal", object_store_endpoint=seaweedfs.endpoint,
+                        object_store_access_key=seaweedfs.ACCESS_KEY,
+                        object_store_secret_key=f"@{secret}", **settings)

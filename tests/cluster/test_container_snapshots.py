@@ -25,18 +25,16 @@ from shoal.storage.filestore import StoreUnavailable
 from shoal.storage.snapshots import Snapshots
 from tests.serving import start_server
 
+from .conftest import object_store_front_end
+
 pytestmark = pytest.mark.cluster
 
 OUTPUTS = "/mnt/user-data/outputs"
 
 
 def _front_end(tmp_path, name, uid_base, postgres_url, seaweedfs, bucket, **settings):
-    secret = tmp_path / f"{name}.secret"
-    secret.write_text(seaweedfs.secret_key + "\n")
-    return start_server(tmp_path / name, uid_base=uid_base, database_url=postgres_url,
-                        object_store=f"s3://{bucket}/shoal", object_store_endpoint=seaweedfs.endpoint,
-                        object_store_access_key=seaweedfs.ACCESS_KEY,
-                        object_store_secret_key=f"@{secret}", pool_size=1, **settings)
+    return object_store_front_end(tmp_path, name, uid_base, postgres_url, seaweedfs, bucket,
+                                  pool_size=1, **settings)
 
 
 def _manifests(seaweedfs, bucket) -> list[dict]:
@@ -203,3 +201,72 @@ def test_snapshots_are_incremental_exact_and_checked(seaweedfs, tmp_path):
     snapshots.delete("t", "c")
     assert s3.list_objects_v2(Bucket=bucket, Prefix="p/").get("KeyCount", 0) == 0
     assert snapshots.manifest("t", "c") is None
+
+
+def test_a_snapshot_walk_swapped_onto_a_link_mid_way_reads_only_the_containers_files(tmp_path):
+    """A snapshot runs beside the sandbox: code can swap a directory the walk has
+    listed for a link to a host directory. The walk goes on from the directory
+    it opened, never through the link (it runs as root)."""
+    from shoal.storage.snapshots import walk
+
+    root = tmp_path / "home"
+    inner = root / "workspace" / "d"
+    inner.mkdir(parents=True)
+    (inner / "mine.txt").write_text("mine")
+    seen = []
+    for path, entry, directory, name in walk(root):
+        seen.append(path)
+        if path == "workspace/d":
+            os.rename(inner, root / "workspace" / "moved")
+            os.symlink("/etc", inner)  # the host's /etc where the walk is going
+        if entry[0] == "f":
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=directory)
+            with os.fdopen(fd, "rb") as handle:
+                assert handle.read() == b"mine", path
+    assert "workspace/d/mine.txt" in seen, seen
+    assert not any(p.startswith("workspace/d/") and p != "workspace/d/mine.txt" for p in seen), seen
+
+
+def test_a_host_the_container_was_moved_from_never_writes_over_the_holders_snapshot(
+        postgres_url, seaweedfs, tmp_path):
+    """Hosts with node keys (as a cluster runs them), no Ray: the container is moved
+    off host A the way a front end moves it off a host the cluster reported gone.
+    A comes back and takes a write for it: it does not snapshot its stale copy over
+    the holder's (which would lose the holder's acknowledged upload); it answers 421
+    naming the holder, so the front end sends the write there."""
+    import asyncio
+
+    import asyncpg
+
+    bucket = seaweedfs.new_bucket()
+    first = _front_end(tmp_path, "a", 969_000, postgres_url, seaweedfs, bucket, node_key="nhostaaaa")
+    second = _front_end(tmp_path, "b", 969_500, postgres_url, seaweedfs, bucket, node_key="nhostbbbb")
+    try:
+        with first.client() as one, second.client() as two:
+            container = one.post("/v1/containers", json={"name": "moved"}).json()["id"]
+            assert one.post(f"/v1/containers/{container}/files",
+                            files={"file": ("f1.txt", b"one")}).status_code == 200
+
+            async def move() -> None:
+                db = await asyncpg.connect(postgres_url)
+                try:
+                    await db.execute("UPDATE placements SET host = 'nhostbbbb' WHERE id = $1",
+                                     container)
+                finally:
+                    await db.close()
+            asyncio.run(move())
+
+            assert two.post(f"/v1/containers/{container}/files",
+                            files={"file": ("f2.txt", b"two")}).status_code == 200
+            stale = one.post(f"/v1/containers/{container}/files", files={"file": ("f3.txt", b"3")})
+            assert stale.status_code == 421, stale.text
+            assert stale.headers["shoal-placement"] == "nhostbbbb"
+            names = sorted(Path(item["path"]).name for item in
+                           two.get(f"/v1/containers/{container}/files").json()["data"])
+            assert names == ["f1.txt", "f2.txt"], names
+            (manifest,) = _manifests(seaweedfs, bucket)
+            assert sorted(p.rsplit("/", 1)[-1] for p in manifest["entries"]
+                          if p.startswith("uploads/")) == ["f1.txt", "f2.txt"]
+    finally:
+        first.stop()
+        second.stop()

@@ -17,18 +17,16 @@ import httpx
 import openai
 import pytest
 
-from tests.serving import SHOAL, free_port, start_server
+from tests.serving import SHOAL, free_port
+
+from .conftest import object_store_front_end
 
 pytestmark = pytest.mark.cluster
 
 
 def _front_end(tmp_path, name, uid_base, postgres_url, seaweedfs, bucket):
-    secret = tmp_path / f"{name}.secret"
-    secret.write_text(seaweedfs.secret_key + "\n")
-    return start_server(tmp_path / name, uid_base=uid_base, database_url=postgres_url,
-                        object_store=f"s3://{bucket}/shoal", object_store_endpoint=seaweedfs.endpoint,
-                        object_store_access_key=seaweedfs.ACCESS_KEY,
-                        object_store_secret_key=f"@{secret}", pool_size=1)
+    return object_store_front_end(tmp_path, name, uid_base, postgres_url, seaweedfs, bucket,
+                                  pool_size=1)
 
 
 def _objects(seaweedfs, bucket) -> dict[str, bytes]:
