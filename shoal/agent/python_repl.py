@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib.util
 import linecache
 import os
 import signal
@@ -96,6 +97,7 @@ class PythonInterpreter:
 
     def run(self, source: str, timeout: float) -> tuple[int, bool]:
         """Run one cell; returns (return_code, timed_out)."""
+        _note_saved_figures()
         self._cells += 1
         filename = f"<cell-{self._cells}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
@@ -154,9 +156,12 @@ class PythonInterpreter:
         for number in numbers:
             try:
                 figure = pyplot.figure(number)
+                if getattr(figure, _SAVED, False) and not figure.stale:
+                    continue  # the code saved it itself, as it is now: no second copy
                 figure.savefig(_next_figure_path(), format="png")
             except Exception as exc:
                 print(f"could not save figure {number}: {exc}", file=sys.stderr)
+        _note_saved_figures()
         if numbers:
             pyplot.close("all")
         _flush_std_streams()
@@ -195,6 +200,53 @@ def _flush_std_streams() -> None:
             stream.flush()
         except Exception:
             pass
+
+
+_SAVED = "_shoal_saved"
+
+
+def _note_saved_figures() -> None:
+    """Every figure the code saves is marked, so the figures left open at the end
+    of a cell are saved for it only if it did not save them itself (or changed
+    them since: the figure is stale again). Matplotlib is marked when it is
+    loaded: now if it is, else as a cell imports it."""
+    module = sys.modules.get("matplotlib.figure")
+    if module is None:
+        if not any(isinstance(finder, _FigureImportHook) for finder in sys.meta_path):
+            sys.meta_path.insert(0, _FigureImportHook())
+        return
+    if getattr(module.Figure.savefig, _SAVED, False):
+        return
+    original = module.Figure.savefig
+
+    def savefig(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        setattr(self, _SAVED, True)
+        return result
+
+    setattr(savefig, _SAVED, True)
+    module.Figure.savefig = savefig
+
+
+class _FigureImportHook:
+    """Marks matplotlib's figures as ``matplotlib.figure`` finishes loading."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "matplotlib.figure":
+            return None
+        sys.meta_path.remove(self)  # the real finders find it; this only waits
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            _note_saved_figures()
+
+        loader.exec_module = exec_module
+        return spec
 
 
 def _next_figure_path() -> str:

@@ -199,6 +199,7 @@ class RayCluster:
                 "SHOAL_OBJECT_STORE_ACCESS_KEY": seaweedfs.ACCESS_KEY,
                 "SHOAL_OBJECT_STORE_SECRET_KEY": f"@{secret}",
                 "SHOAL_POOL_SIZE": "1", "SHOAL_MEMORY_LIMIT_MIB": "512", "SHOAL_DRAIN_SECONDS": "0",
+                "SHOAL_MAX_SESSIONS": "6",
                 "SHOAL_SNAPSHOT_INTERVAL_SECONDS": "1", "SHOAL_REAPER_INTERVAL_SECONDS": "0.5",
             })
             if launcher():

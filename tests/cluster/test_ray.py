@@ -119,6 +119,15 @@ def test_sessions_spread_over_the_nodes_and_every_call_reaches_its_node(cluster)
         # The protocol owner's conformance checks, through the front end.
         assert_conformant(run_checks(http, schema_checker(load_contract())))
 
+        # Admission control: once every host's session slots are taken (six each),
+        # a new session is a 503 with Retry-After, never a queue.
+        for _ in range(3 * 6):
+            made = http.post("/sessions", json={})
+            if made.status_code != 201:
+                break
+        assert made.status_code == 503 and made.headers["retry-after"], made.text
+        assert made.json()["detail"], made.text  # the protocol's error shape, with a reason
+
 
 def test_a_container_comes_back_on_another_node_after_kill_9_of_its_node(cluster, tmp_path):
     first, second = cluster.front_end("a"), cluster.front_end("b")

@@ -260,6 +260,17 @@ async def test_open_figure_is_saved_as_png(sandbox):
     assert (await ok(sandbox, "print(plt.get_fignums())")).stdout == "[]\n"
 
 
+async def test_a_figure_the_code_saved_itself_is_not_saved_twice(sandbox):
+    result = await ok(sandbox, "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\n"
+                               "plt.savefig('/mnt/user-data/outputs/mine.png')")
+    assert [f.path.rsplit("/", 1)[-1] for f in result.files] == ["mine.png"], result.files
+    # Changed after it was saved: what the code left open is saved, as before.
+    changed = await ok(sandbox, "plt.plot([0, 1])\nplt.savefig('/mnt/user-data/outputs/v1.png')\n"
+                                "plt.title('changed after saving')")
+    assert sorted(f.path.rsplit("/", 1)[-1] for f in changed.files) == ["figure_1.png", "v1.png"]
+    assert (await ok(sandbox, "print(plt.get_fignums())")).stdout == "[]\n"
+
+
 async def test_shown_figure_is_saved_as_png(sandbox):
     result = await ok(sandbox, "import matplotlib.pyplot as plt\n"
                                "plt.figure()\nplt.bar(['a', 'b'], [3, 4])\nplt.show()")
