@@ -22,12 +22,15 @@ import errno
 import fcntl
 import os
 import struct
+import time
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _LOOP_SET_FD = 0x4C00
 _LOOP_CLR_FD = 0x4C01
 _LOOP_SET_STATUS64 = 0x4C04
 _LOOP_CONFIGURE = 0x4C0A
+# How long a mount waits for a dying device the image is still bound to.
+_RUNDOWN_SECONDS = 2.0
 _LOOP_CTL_GET_FREE = 0x4C82
 _LO_FLAGS_AUTOCLEAR = 4
 # struct loop_info64 is 232 bytes; lo_flags is the u32 after five u64s and three u32s.
@@ -137,22 +140,32 @@ def mount_image(image: str, mount_point: str, fstype: str, flags: int, options: 
                 fresh: bool = False) -> None:
     """Mount ``image`` at ``mount_point`` through a loop device (a ``fresh`` image,
     made a moment ago, cannot be bound to one yet: no need to look)."""
-    device = None if fresh else bound_device(image)
-    loop = None
-    if device is None:
-        device, loop = _bind_free(image)
-    try:
-        if _libc.mount(device.encode(), mount_point.encode(), fstype.encode(),
-                       ctypes.c_ulong(flags), options.encode()) != 0:
+    deadline = time.monotonic() + _RUNDOWN_SECONDS
+    while True:
+        device = None if fresh else bound_device(image)
+        loop = None
+        if device is None:
+            device, loop = _bind_free(image)
+        try:
+            if _libc.mount(device.encode(), mount_point.encode(), fstype.encode(),
+                           ctypes.c_ulong(flags), options.encode()) == 0:
+                return
             error = _failed(f"mount {image} ({device}) at {mount_point}")
             if loop is not None:
                 _clear(loop)
+            elif error.errno in (errno.EIO, errno.ENXIO) and time.monotonic() < deadline:
+                # The device the image is still bound to is on its way out: its last
+                # user (a sandbox's mount namespace, torn down a moment ago) let go
+                # of the filesystem, and autoclear is detaching it. Once it is gone
+                # the image binds to a device anew.
+                time.sleep(0.01)
+                continue
             raise error
-    finally:
-        # Mounted, the filesystem holds the device; autoclear detaches it
-        # once the filesystem is gone and nothing else has it open.
-        if loop is not None:
-            os.close(loop)
+        finally:
+            # Mounted, the filesystem holds the device; autoclear detaches it
+            # once the filesystem is gone and nothing else has it open.
+            if loop is not None:
+                os.close(loop)
 
 
 def unmount(mount_point: str, lazy: bool = False) -> None:

@@ -103,6 +103,7 @@ def test_a_container_survives_kill_9_of_its_front_end_and_comes_back_on_another(
                 "big.bin": len(data), "report.txt": len("revenue up\n")}, listed
     finally:
         second.stop()
+        first.stop()  # killed already, unless the test failed before it got there
         # The killed server's leftovers (sandboxes, mounts) go with its next start.
         start_server(tmp_path / "a", uid_base=965_000, data_dir=first.data_dir,
                      database_url=postgres_url, object_store=f"s3://{bucket}/shoal",
