@@ -150,14 +150,22 @@ def serve_front_end(settings: Settings) -> int:
     host, port = listener.getsockname()[:2]
     server = _AnnouncingServer(_uvicorn_config(create_front_end(settings), settings),
                                f"shoal: serving on http://{host}:{port} (cluster front end)")
+    return _run(server, listener, "the cluster front end could not start")
+
+
+def _run(server: uvicorn.Server, listener: socket.socket, failure: str) -> int:
+    """Serve until stopped. A start-up that failed after the checks passed fails
+    closed at once: what the failed start had opened (a store's worker thread)
+    would otherwise keep this process alive, never serving and never exiting."""
     try:
         server.run(sockets=[listener])
     except SystemExit:
         if server.started:
             raise
+        # uvicorn's way out when the app's start-up failed; handled below
     if not server.started:
-        print("shoal: refusing to serve: the cluster front end could not start (the error is "
-              "above)", file=sys.stderr, flush=True)
+        print(f"shoal: refusing to serve: {failure} (the error is above)",
+              file=sys.stderr, flush=True)
         os._exit(1)
     return 0
 
@@ -189,18 +197,13 @@ def serve(settings: Settings) -> int:
     if settings.cluster:
         return serve_front_end(settings)
     found = startup_problems(settings)
-    if len(found) == 1:
-        print(f"shoal: refusing to start: {found[0]}", file=sys.stderr)
-        return 2
     if found:
-        print("shoal: refusing to start:\n  - " + "\n  - ".join(found), file=sys.stderr)
-        return 2
+        return _refuse(found)
     try:
         _check_data_dir(settings)
         listener = _listen(settings)
     except StartupError as exc:
-        print(f"shoal: refusing to start: {exc}", file=sys.stderr)
-        return 2
+        return _refuse([str(exc)])
     from .app import create_app
     from .draining import DrainingServer
 
@@ -208,18 +211,6 @@ def serve(settings: Settings) -> int:
     app = create_app(settings)
     server = DrainingServer(_uvicorn_config(app, settings), app, on_started=lambda: print(
         f"shoal: serving on http://{host}:{port}", file=sys.stderr, flush=True))
-    try:
-        server.run(sockets=[listener])
-    except SystemExit:
-        if server.started:
-            raise
-        # uvicorn's way out when the app's start-up failed; handled below
-    if not server.started:
-        # Start-up failed after the checks above passed (the first sandbox could not be
-        # launched: isolation they cannot see is unavailable). Fail closed at once: what
-        # the failed start had opened (the metadata store's worker thread) would
-        # otherwise keep this process alive, never serving and never exiting.
-        print("shoal: refusing to serve: start-up failed (the error is above)",
-              file=sys.stderr, flush=True)
-        os._exit(1)
-    return 0
+    # A failed start here means the first sandbox could not be launched: isolation
+    # the checks above cannot see is unavailable.
+    return _run(server, listener, "start-up failed")

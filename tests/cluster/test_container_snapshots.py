@@ -23,7 +23,6 @@ import pytest
 
 from shoal.storage.filestore import StoreUnavailable
 from shoal.storage.snapshots import Snapshots
-from tests.serving import start_server
 
 from .conftest import object_store_front_end
 
@@ -105,11 +104,8 @@ def test_a_container_survives_kill_9_of_its_front_end_and_comes_back_on_another(
         second.stop()
         first.stop()  # killed already, unless the test failed before it got there
         # The killed server's leftovers (sandboxes, mounts) go with its next start.
-        start_server(tmp_path / "a", uid_base=965_000, data_dir=first.data_dir,
-                     database_url=postgres_url, object_store=f"s3://{bucket}/shoal",
-                     object_store_endpoint=seaweedfs.endpoint,
-                     object_store_access_key=seaweedfs.ACCESS_KEY,
-                     object_store_secret_key=f"@{tmp_path / 'a.secret'}", pool_size=1).stop()
+        _front_end(tmp_path, "a", 965_000, postgres_url, seaweedfs, bucket,
+                   data_dir=first.data_dir).stop()
 
 
 def test_a_deleted_container_made_anew_elsewhere_is_not_served_from_a_stale_copy(
