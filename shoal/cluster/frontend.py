@@ -34,7 +34,7 @@ from starlette.routing import Route
 
 from shoal import __version__
 from shoal.api.auth import OPEN_TENANT, TokenTable, operator_tokens_of, bearer_token
-from shoal.api.errors import PLACEMENT_HEADER
+from shoal.api.errors import PLACEMENT_HEADER, error_response
 from shoal.api.observability import ALIAS_PREFIX
 from shoal.config import Settings, read_secret
 from shoal.storage import open_metadata
@@ -67,11 +67,6 @@ def _named_container(body: dict) -> str | None:
     if isinstance(tools, list):
         candidates += [tool.get("container") for tool in tools if isinstance(tool, dict)]
     return next((c for c in candidates if isinstance(c, str) and c), None)
-
-
-def _error(status: int, detail: str) -> JSONResponse:
-    headers = {"Retry-After": "1"} if status == 503 else None
-    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 
 class FrontEnd:
@@ -159,7 +154,7 @@ class FrontEnd:
                 return host
             if request.method == "DELETE" and path == match.group(0):
                 return Response(status_code=204)  # gone with its host: as released
-            return _error(404, f"no session {match.group(1)!r}")
+            return error_response(request, 404, f"no session {match.group(1)!r}")
         match = _RUN.match(path)
         if match:
             host = self.membership.alive(match.group(1)[:key_length()])
@@ -176,19 +171,20 @@ class FrontEnd:
     # -- forwarding ---------------------------------------------------------------------
     async def handle(self, request: Request) -> Response:
         limit = self.settings.max_file_bytes + _BODY_MARGIN
+        too_large = f"the request body is larger than {limit} bytes"
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return _error(413, f"the request body is larger than {limit} bytes")
+            return error_response(request, 413, too_large)
         received = bytearray()
         async for chunk in request.stream():
             received += chunk
             if len(received) > limit:
-                return _error(413, f"the request body is larger than {limit} bytes")
+                return error_response(request, 413, too_large)
         body = bytes(received)
         try:
             target = await self._target(request, body)
         except NoHost as exc:
-            return _error(503, str(exc))
+            return error_response(request, 503, str(exc))
         if isinstance(target, Response):
             return target
         for _ in range(_ATTEMPTS):
@@ -196,7 +192,7 @@ class FrontEnd:
                 upstream = await self._send(target, request, body)
             except httpx.TransportError:
                 # The host stopped answering (its node going down): Ray will say so.
-                return _error(503, "the sandbox host did not answer; retry")
+                return error_response(request, 503, "the sandbox host did not answer; retry")
             holder = upstream.headers.get(PLACEMENT_HEADER)
             if upstream.status_code != 421 or holder is None:
                 return StreamingResponse(
@@ -212,8 +208,8 @@ class FrontEnd:
                 else:
                     target = self.membership.alive(holder) or self.membership.roomiest()
             except NoHost as exc:
-                return _error(503, str(exc))
-        return _error(503, "the container's placement kept moving; retry")
+                return error_response(request, 503, str(exc))
+        return error_response(request, 503, "the container's placement kept moving; retry")
 
     async def _send(self, host: Host, request: Request, body: bytes) -> httpx.Response:
         headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in _HOP]

@@ -127,6 +127,10 @@ def test_sessions_spread_over_the_nodes_and_every_call_reaches_its_node(cluster)
                 break
         assert made.status_code == 503 and made.headers["retry-after"], made.text
         assert made.json()["detail"], made.text  # the protocol's error shape, with a reason
+        # The front end's own answers are in the dialect of the route, as a host's are.
+        refused = http.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": []})
+        assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+        assert refused.json()["type"] == "error" and refused.json()["error"]["message"], refused.text
 
 
 def test_a_container_comes_back_on_another_node_after_kill_9_of_its_node(cluster, tmp_path):
