@@ -13,14 +13,18 @@ process of the sandbox is charged from its first instruction.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 V1_CONTROLLERS = ("memory", "pids", "cpu")
 _GROUP_PREFIX = "shoal"
+
+log = logging.getLogger("shoal.pool")
 
 
 class CgroupUnavailable(RuntimeError):
@@ -66,6 +70,10 @@ class Cgroup:
         self.version = version
 
     @property
+    def name(self) -> str:
+        return next(iter(self.directories.values())).name
+
+    @property
     def procs_files(self) -> list[str]:
         return [str(directory / "cgroup.procs") for directory in self.directories.values()]
 
@@ -74,12 +82,13 @@ class Cgroup:
         return self.directories[key] / name
 
     def pids(self) -> list[int]:
-        directory = next(iter(self.directories.values()))
-        try:
-            text = (directory / "cgroup.procs").read_text()
-        except OSError:
-            return []
-        return [int(pid) for pid in text.split()]
+        """Every process in the group, in any of its hierarchies. A process is
+        normally in all of them; one caught between its writes to the procs
+        files is in some only, and must not escape a kill for it."""
+        found: set[int] = set()
+        for directory in self.directories.values():
+            found.update(_members(directory))
+        return sorted(found)
 
     def oom_kills(self) -> int:
         name = "memory.oom_control" if self.version == 1 else "memory.events"
@@ -124,33 +133,60 @@ class Cgroup:
             pids = self.pids()
             if not pids:
                 return
+            unreached = pids
             if kill_file is not None and kill_file.exists():
                 try:
                     kill_file.write_text("1")
+                    # cgroup.kill reaches the unified group's members only: a
+                    # process in another hierarchy alone gets SIGKILL by pid.
+                    unreached = sorted(set(pids) - set(_members(unified)))
                 except OSError:
                     kill_file = None
-            if kill_file is None:
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            for pid in unreached:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"processes {pids} survived SIGKILL")
             time.sleep(0.001)
 
-    def remove(self) -> None:
-        """Remove the group's directories; the group must be empty."""
+    def remove(self, timeout: float = 1.0) -> list[Path]:
+        """Remove the group's directories; the ones still there after ``timeout``
+        are returned (empty when all are gone).
+
+        A directory that will not go is emptied again first: whatever is still
+        in it (a straggler of the kill, a zombie's last moment) is killed, so a
+        group is never kept by a process the kill did not see.
+        """
+        deadline = time.monotonic() + timeout
+        left = []
         for directory in self.directories.values():
-            for attempt in range(200):
+            while True:
                 try:
                     directory.rmdir()
                     break
                 except FileNotFoundError:
                     break
                 except OSError:
-                    # Exited processes linger as zombies for a moment.
+                    if time.monotonic() > deadline:
+                        left.append(directory)
+                        break
+                    for pid in _members(directory):
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
                     time.sleep(0.005)
+        return left
+
+    def describe(self, directories: list[Path]) -> str:
+        """What is in ``directories`` (for the log line of a group that stayed)."""
+        parts = []
+        for directory in directories:
+            tasks = _members(directory, "tasks")
+            parts.append(f"{directory} (tasks {tasks or 'none'})")
+        return "; ".join(parts)
 
 
 class CgroupManager:
@@ -168,6 +204,8 @@ class CgroupManager:
                     if controller in options:
                         v1[controller] = Path(point)
         self._parents: dict[str, Path] = {}
+        self._pending: list[Cgroup] = []  # groups discard() could not remove yet
+        self._pending_lock = threading.Lock()  # discard() runs in worker threads
         if all(controller in v1 for controller in V1_CONTROLLERS):
             self.version = 1
             for controller, point in v1.items():
@@ -257,6 +295,40 @@ class CgroupManager:
                 continue
             group.remove()
 
+    def discard(self, group: Cgroup, timeout: float = 1.0) -> None:
+        """Kill and remove ``group``; if some of it stays (a hierarchy busy past
+        ``timeout``), keep it to try again from ``retry``, never forget it."""
+        try:
+            group.kill()
+        except TimeoutError as exc:
+            log.warning("cgroup %s: %s", group.name, exc)
+        left = group.remove(timeout)
+        if left:
+            log.warning("cgroup %s could not be removed yet: %s; trying again later",
+                        group.name, group.describe(left))
+            with self._pending_lock:
+                self._pending.append(group)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def retry(self, timeout: float = 0.0) -> int:
+        """Try again to remove the groups ``discard`` could not; how many remain."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        still = []
+        for group in pending:
+            try:
+                group.kill(timeout=max(timeout, 0.1))
+            except TimeoutError:
+                pass
+            if group.remove(timeout):
+                still.append(group)
+        with self._pending_lock:
+            self._pending.extend(still)
+            return len(self._pending)
+
     def leftovers(self, prefix: str) -> list[Path]:
         """Groups named with ``prefix`` that still exist; empty once all were removed."""
         found = []
@@ -264,6 +336,14 @@ class CgroupManager:
             if parent.is_dir():
                 found.extend(p for p in parent.iterdir() if p.is_dir() and p.name.startswith(prefix))
         return found
+
+
+def _members(directory: Path, listing: str = "cgroup.procs") -> list[int]:
+    try:
+        text = (directory / listing).read_text()
+    except OSError:
+        return []
+    return [int(pid) for pid in text.split()]
 
 
 def _join(mount_point: Path, cgroup_path: str) -> Path:

@@ -177,6 +177,11 @@ class SandboxPool:
                              return_exceptions=True)
         if self._zygote is not None:
             self._zygote.close()
+        if self._cgroups is not None and self._cgroups.pending:
+            left = await asyncio.to_thread(self._cgroups.retry, 10.0)
+            if left:
+                log.error("%d sandbox cgroups could not be removed; the next server's "
+                          "sweep removes them", left)
         if self._runtime_hold is not None:
             os.close(self._runtime_hold)
             self._runtime_hold = None
@@ -362,6 +367,8 @@ class SandboxPool:
             except TimeoutError:
                 pass
             self._wakeup.clear()
+            if self._cgroups is not None and self._cgroups.pending:
+                await asyncio.to_thread(self._cgroups.retry)
             if (self._ready and not self._closing
                     and time.monotonic() - self._missed_at > _BURST_SECONDS):
                 await asyncio.sleep(_REFILL_DEFER_SECONDS)
@@ -425,6 +432,12 @@ class SandboxPool:
             self._live.add(sandbox)
             return sandbox
 
+    def discard_cgroup(self, cgroup) -> None:
+        """Kill and remove a sandbox's cgroup (blocking); a group that will not go
+        yet is retried by the refill loop and at close, never forgotten."""
+        assert self._cgroups is not None
+        self._cgroups.discard(cgroup)
+
     def _launch_failed(self, exc: BaseException, name: str) -> None:
         if isinstance(exc, Exception):  # not a cancellation
             self.stats.launch_failures += 1
@@ -446,8 +459,7 @@ class SandboxPool:
 
     def _discard(self, uid: int, home: SandboxHome, cgroup, name: str | None = None) -> None:
         if cgroup is not None:
-            cgroup.kill()
-            cgroup.remove()
+            self.discard_cgroup(cgroup)
         if name is not None:
             self._cgroups.sweep(lambda group: group == name)  # a half-made group, if any
             self._volume_of(name).destroy()

@@ -344,8 +344,11 @@ class Sandbox:
     def _remove(self) -> None:
         """Blocking teardown: processes, cgroup, directories. Called by the pool."""
         self._process.close_channel()
-        self._stop_processes()
-        self._cgroup.remove()
+        try:
+            self._stop_processes()
+        except TimeoutError as exc:
+            log.warning("sandbox %s: %s", self.name, exc)  # discard() keeps at them
+        self._pool.discard_cgroup(self._cgroup)
         self.release_home()
 
     @property

@@ -164,6 +164,21 @@ def cgroups_of(pid: int) -> list[str]:
     return sorted(found)
 
 
+def cgroup_detail(groups: list[str], server: ShoalServer) -> list[str]:
+    """What keeps leftover groups (their tasks and children) and what the server
+    logged about cgroups: a leak is only fixable with this in the report."""
+    detail = []
+    for group in groups:
+        try:
+            tasks = Path(group, "tasks").read_text().split()
+            children = [p.name for p in Path(group).iterdir() if p.is_dir()]
+        except OSError as exc:
+            tasks, children = [f"unreadable: {exc}"], []
+        detail.append(f"{group}: tasks {tasks}, children {children}")
+    detail += [line for line in server.log().splitlines() if "cgroup" in line][-10:]
+    return detail
+
+
 def held_uid_locks(run_dir: Path) -> list[str]:
     """Uid lease lock files someone still holds (a lease never given back)."""
     held = []
@@ -191,9 +206,11 @@ def leftovers(server: ShoalServer, pid: int | None = None) -> dict[str, list]:
     temporary = [p.name for p in server.run_dir.iterdir()
                  if p.name.startswith((f"sandboxes-{pid}.", f"agent-{pid}."))] \
         if server.run_dir.is_dir() else []
+    groups = cgroups_of(pid)
     return {
         "processes": wait_for_no_processes(server.uids),
-        "cgroups": cgroups_of(pid),
+        "cgroups": groups,
+        "cgroup_detail": cgroup_detail(groups, server) if groups else [],
         "mounts": mounts_under(server.run_dir) + mounts_under(server.data_dir),
         "uid_locks": held_uid_locks(server.run_dir),
         "run_dir_entries": temporary,
