@@ -13,7 +13,8 @@ from . import __version__
 from .api import (containers, errors, files, messages, observability, protocol_v1, responses,
                   runs, runtime, threads)
 from .api.auth import TokenTable
-from .config import Settings
+from .api.body_limits import BodyLimits, Budget
+from .config import MiB, Settings
 from .gateway import Gateway
 from .runs import RunManager
 from .sessions import SessionManager
@@ -64,5 +65,8 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     app.include_router(responses.router)
     app.include_router(runtime.router)
     app.include_router(threads.router)
+    # Outermost last: Edge sees every answer, the budget's refusals included.
+    app.add_middleware(BodyLimits, cap=settings.request_cap,
+                       budget=Budget(settings.request_buffer_mib * MiB))
     app.add_middleware(observability.Edge)
     return app

@@ -101,6 +101,9 @@ class Settings(BaseSettings):
     max_timeout_seconds: int = Field(300, ge=1, description="Ceiling a call's timeout is clamped to.")
     output_cap_bytes: int = Field(1 * MiB, ge=1024, description="Cap on each output stream.")
     max_file_bytes: int = Field(50 * MiB, ge=1, description="Largest file accepted or served.")
+    request_buffer_mib: int = Field(1024, ge=1, description="Memory all request bodies in "
+                                    "progress may hold together; past it a request is "
+                                    "answered 503 with Retry-After.")
 
     # -- runs and inner tool calls -------------------------------------------------
     run_retention_seconds: int = Field(86400, ge=60, description="How long a finished run's "
@@ -233,6 +236,12 @@ class Settings(BaseSettings):
     def model_upstream(self) -> bool:
         """Whether sandboxes get the model API (see model_access)."""
         return self.model_access and bool(self.upstream_anthropic_url or self.upstream_openai_url)
+
+    @property
+    def request_cap(self) -> int:
+        """The largest request body: a file as large as any accepted, base64 in
+        JSON (4/3 of its size), and a margin for the rest of the request."""
+        return self.max_file_bytes * 4 // 3 + MiB
 
     @property
     def egress_enabled(self) -> bool:

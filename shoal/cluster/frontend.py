@@ -28,15 +28,18 @@ from contextlib import asynccontextmanager
 import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from shoal import __version__
 from shoal.api.auth import OPEN_TENANT, TokenTable, operator_tokens_of, bearer_token
+from shoal.api.body_limits import BodyLimits, Budget
 from shoal.api.errors import PLACEMENT_HEADER, error_response
 from shoal.api.observability import ALIAS_PREFIX
-from shoal.config import Settings, read_secret
+from shoal.config import MiB, Settings, read_secret
 from shoal.storage import open_metadata
 
 from .host import key_length
@@ -52,8 +55,6 @@ _CONTAINER_PATHS = (re.compile(r"^/v1/containers/([^/]+)"),
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
         "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
 _ATTEMPTS = 3
-# A body the front end keeps to resend: at most a file's size and a margin.
-_BODY_MARGIN = 1 << 20
 
 
 def _named_container(body: dict) -> str | None:
@@ -170,17 +171,10 @@ class FrontEnd:
 
     # -- forwarding ---------------------------------------------------------------------
     async def handle(self, request: Request) -> Response:
-        limit = self.settings.max_file_bytes + _BODY_MARGIN
-        too_large = f"the request body is larger than {limit} bytes"
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return error_response(request, 413, too_large)
-        received = bytearray()
-        async for chunk in request.stream():
-            received += chunk
-            if len(received) > limit:
-                return error_response(request, 413, too_large)
-        body = bytes(received)
+        try:
+            body = await request.body()  # bounded by BodyLimits, as on a host
+        except HTTPException as exc:
+            return error_response(request, exc.status_code, exc.detail)
         try:
             target = await self._target(request, body)
         except NoHost as exc:
@@ -246,7 +240,10 @@ def create_front_end(settings: Settings) -> Starlette:
         return JSONResponse({"live": True})
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-    app = Starlette(lifespan=lifespan, routes=[
+    # The bodies it keeps to resend: bounded each and all together, as on a host.
+    middleware = [Middleware(BodyLimits, cap=settings.request_cap,
+                             budget=Budget(settings.request_buffer_mib * MiB))]
+    app = Starlette(lifespan=lifespan, middleware=middleware, routes=[
         Route("/health", health), Route("/readyz", readyz), Route("/livez", livez),
         Route("/{path:path}", front.handle, methods=methods)])
     app.state.front_end = front

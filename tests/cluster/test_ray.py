@@ -131,6 +131,10 @@ def test_sessions_spread_over_the_nodes_and_every_call_reaches_its_node(cluster)
         refused = http.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": []})
         assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
         assert refused.json()["type"] == "error" and refused.json()["error"]["message"], refused.text
+        # A body over the cap is refused before the front end holds it, in the same way.
+        huge = http.post("/v1/messages", content=b"{" + b" " * (70 << 20) + b"}",
+                         headers={"content-type": "application/json"})
+        assert huge.status_code == 413 and huge.json()["type"] == "error", huge.text[:300]
 
 
 def test_a_container_comes_back_on_another_node_after_kill_9_of_its_node(cluster, tmp_path):
