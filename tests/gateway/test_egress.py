@@ -238,15 +238,14 @@ def test_metrics_count_each_containers_traffic(egress_server, services):
 
 
 # -- the model API from inside ----------------------------------------------------------------
-def _sandbox_memory_holds(server, needle: bytes) -> list[str]:
-    """Where the sandboxes' processes (every uid of this server's range) hold
-    ``needle`` in memory; read from the host."""
-    base = int(server.process.args[server.process.args.index("--uid-base") + 1])
+def _sandbox_memory_holds(uid: int, needle: bytes) -> list[str]:
+    """Where the processes of the sandbox running as ``uid`` hold ``needle`` in
+    memory; read from the host. (That sandbox is a fork of the zygote: what the
+    zygote held, every sandbox would hold, this one too.)"""
     found = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
-            uid = int(re.search(r"^Uid:\s+(\d+)", status.read_text(), re.M).group(1))
-            if not base <= uid < base + 65536:
+            if int(re.search(r"^Uid:\s+(\d+)", status.read_text(), re.M).group(1)) != uid:
                 continue
             pid = status.parent.name
             with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb") as mem:
@@ -296,7 +295,7 @@ def test_code_calls_the_model_with_a_token_not_the_operators_key(egress_server, 
         "command": f"cat > inner.py <<'EOF'\n{INNER}\nEOF\npython3 inner.py; "
                    f"key=$(echo {OPERATOR_KEY[::-1]} | rev); env | grep -c \"$key\"; "
                    "grep -rl \"$key\" /proc/self/environ /mnt /tmp /etc 2>/dev/null; "
-                   "echo scanned"})), inner_turn, final)
+                   "echo scanned; id -u"})), inner_turn, final)
     message = client.messages.create(model="claude-inner", max_tokens=256, tools=[TOOL],
                                      messages=[{"role": "user", "content": "go"}])
     assert message.content[-1].text == "done"
@@ -305,15 +304,17 @@ def test_code_calls_the_model_with_a_token_not_the_operators_key(egress_server, 
     token = lines[1].removeprefix("token ")
     assert token.startswith("shoal-mt-") and token not in (CLIENT_TOKEN, OPERATOR_KEY)
     assert lines[2] == "base http://shoal.internal"
-    assert lines[3:] == ["0", "scanned"], seen  # not in the environment, not in files
+    assert lines[3:5] == ["0", "scanned"], seen  # not in the environment, not in files
     # The upstream saw the operator's key for the sandbox's call, and the model it named.
     outer, inner, _ = upstream.requests
     assert inner.body["messages"] == [{"role": "user", "content": "from inside"}]
     assert inner.body["model"] == "claude-inner"
     assert inner.headers["x-api-key"] == OPERATOR_KEY
     assert token not in json.dumps(inner.headers)
-    # Nor in any sandbox's memory.
-    assert _sandbox_memory_holds(egress_server, OPERATOR_KEY.encode()) == []
+    # Nor in the memory of the sandbox that called the model.
+    sandbox_uid = int(lines[5])
+    assert _sandbox_memory_holds(sandbox_uid, OPERATOR_KEY.encode()) == []
+    assert _sandbox_memory_holds(sandbox_uid, token.encode()) != []  # the scan sees what it holds
 
     # The token is useless outside its container: from the host, as a client token...
     stolen = anthropic.Anthropic(base_url=egress_server.url, api_key=token, max_retries=0)
