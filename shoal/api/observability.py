@@ -36,6 +36,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from shoal.config import MiB
 from shoal.logs import request_context
 from shoal.sessions import ExecResult
 
@@ -228,10 +229,24 @@ async def health(request: Request) -> Response:
     if operator:
         body.update(sessions=manager.live, max_sessions=manager.settings.max_sessions,
                     pool_ready=manager.pool.ready_count, pool_target=manager.pool.target,
-                    uids_free=manager.pool.free_uids, launcher=manager.pool.launcher)
+                    uids_free=manager.pool.free_uids, launcher=manager.pool.launcher,
+                    memory_available_bytes=_memory_available(),
+                    sandbox_memory_bytes=manager.settings.memory_limit_mib * MiB)
         if reasons:
             body["details"] = [detail for _, detail in reasons]
     return _json(body)
+
+
+def _memory_available() -> int | None:
+    """The kernel's estimate of memory a new process could use without swapping."""
+    try:
+        with open("/proc/meminfo", "rb") as handle:
+            for line in handle:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 @router.get("/metrics", summary="Prometheus metrics (the operator's)", response_class=Response,

@@ -747,6 +747,10 @@ class Health(Wire):
     pool_target: int | None = None
     uids_free: int | None = None
     launcher: str | None = None
+    memory_available_bytes: int | None = Field(
+        None, description="The host's available memory (MemAvailable): with "
+                          "sandbox_memory_bytes, how many more sandboxes it has room for.")
+    sandbox_memory_bytes: int | None = Field(None, description="A new sandbox's memory limit.")
     details: list[str] | None = None
 
 

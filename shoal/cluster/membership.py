@@ -9,8 +9,8 @@ node's host get the same actor (it is named by the node, and there is one
 ``shoal_host`` unit per node to hold).
 
 How much room each host has is its own ``/health`` (sessions held against
-its limit), polled on the same cadence: the front end's only input to placing
-something new.
+its limit, and its available memory against a sandbox's memory limit), polled
+on the same cadence: the front end's only input to placing something new.
 """
 
 from __future__ import annotations
@@ -45,8 +45,15 @@ class Host:
     url: str
     actor: object = None
     free: int = 0  # session slots not taken, by the host's last /health
+    # Sandboxes its available memory has room for (None: it did not say).
+    memory_room: int | None = None
     healthy: bool = True  # takes new sessions and containers (its /health says ok)
     silent: int = 0  # polls in a row its /health did not answer
+
+
+def room(host: Host) -> int:
+    """How many more sandboxes ``host`` can take, by its last /health."""
+    return host.free if host.memory_room is None else min(host.free, host.memory_room)
 
 
 class Membership:
@@ -91,18 +98,23 @@ class Membership:
         return key not in self._nodes or key in self._drained
 
     def roomiest(self, exclude: set[str] = frozenset()) -> Host:
-        """The host with the most free session slots (ties at random)."""
+        """The host with room for the most new sandboxes (ties at random): its
+        free session slots, or fewer if its available memory holds fewer
+        sandboxes at their memory limit. (A host short of disk for one more
+        sandbox says so in its /health, and takes nothing new.)"""
         candidates = [h for h in self.hosts.values() if h.healthy and h.key not in exclude]
         if not candidates:
             raise NoHost("no sandbox host is up; retry later")
-        best = max(h.free for h in candidates)
+        best = max(room(h) for h in candidates)
         if best <= 0:
-            raise NoHost("every sandbox host is full; retry later")
-        return random.choice([h for h in candidates if h.free == best])
+            raise NoHost("every sandbox host is full (its sessions or its memory); retry later")
+        return random.choice([h for h in candidates if room(h) == best])
 
     def taken(self, host: Host) -> None:
         """A session or run was just placed there: counted until the next poll."""
         host.free -= 1
+        if host.memory_room is not None:
+            host.memory_room -= 1
 
     async def _forever(self) -> None:
         while True:
@@ -153,6 +165,10 @@ class Membership:
         try:
             body = (await self._client.get(f"{host.url}/health", headers=self._headers)).json()
             host.free = int(body["max_sessions"]) - int(body["sessions"])
+            available, each = body.get("memory_available_bytes"), body.get("sandbox_memory_bytes")
+            host.memory_room = (int(available) // int(each)
+                                if isinstance(available, int) and isinstance(each, int) and each > 0
+                                else None)
             # Degraded (draining, full, no uids): still serves what it holds, takes nothing new.
             host.healthy = body.get("status") == "ok"
             host.silent = 0

@@ -214,6 +214,11 @@ def test_probes_answer_without_a_token_and_details_only_for_the_operator(watched
         health = operator.get("/health").json()
         assert health["status"] == "ok" and health["max_sessions"] == 8
         assert health["launcher"] in ("zygote", "bwrap")
+        # What a cluster front end places by: room in memory for sandboxes at their limit.
+        assert health["sandbox_memory_bytes"] == 128 << 20
+        with open("/proc/meminfo") as meminfo:
+            total = int(next(line for line in meminfo if line.startswith("MemTotal:")).split()[1])
+        assert 0 < health["memory_available_bytes"] <= total * 1024
 
 
 def test_readiness_fails_while_uids_are_exhausted_and_recovers(tmp_path):
