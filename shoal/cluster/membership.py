@@ -105,10 +105,12 @@ class Membership:
         candidates = [h for h in self.hosts.values() if h.healthy and h.key not in exclude]
         if not candidates:
             raise NoHost("no sandbox host is up; retry later")
-        best = max(room(h) for h in candidates)
-        if best <= 0:
+        # Room first; between hosts whose memory caps them alike, the one holding
+        # fewer sessions (the spread the slots alone would give).
+        best = max((room(h), h.free) for h in candidates)
+        if best[0] <= 0:
             raise NoHost("every sandbox host is full (its sessions or its memory); retry later")
-        return random.choice([h for h in candidates if room(h) == best])
+        return random.choice([h for h in candidates if (room(h), h.free) == best])
 
     def taken(self, host: Host) -> None:
         """A session or run was just placed there: counted until the next poll."""

@@ -33,6 +33,15 @@ def test_free_slots_decide_when_memory_is_plentiful_or_unknown():
     assert _membership(busy, idle).roomiest().key == "n2"
 
 
+def test_between_hosts_their_memory_caps_alike_the_emptier_one_wins():
+    # Plenty of memory reads as the same room on both (a 24 GiB host holds 23
+    # sandboxes at 1 GiB): the one with fewer sessions still gets the next.
+    busier = Host("n1", "node-1", "http://a", free=40, memory_room=23)
+    emptier = Host("n2", "node-2", "http://b", free=60, memory_room=23)
+    membership = _membership(busier, emptier)
+    assert {membership.roomiest().key for _ in range(20)} == {"n2"}
+
+
 def test_a_host_with_slots_but_no_memory_for_a_sandbox_takes_nothing():
     full = Host("n1", "node-1", "http://a", free=20, memory_room=0)
     with pytest.raises(NoHost, match="memory"):
