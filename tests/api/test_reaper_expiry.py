@@ -1,7 +1,9 @@
 """A container expires on a running server, by a real TTL, and the reaper retires it.
 
 The shortest TTL a container may have is one minute, so this test waits that
-minute out (about 65 s, nearly all of it asleep: it stays in ``make test``). Two
+minute out (about 65 s, nearly all of it asleep), which puts it in the slow suite
+(``make test-slow``); ``make test`` covers the reaper's retiring of an expired
+container in ``test_container_durability.py`` without the wait. Two
 containers are made together: one with a 1-minute TTL, with files written
 through the Files API and by code whose sandbox is still up when the TTL runs
 out, and one with a 2-minute TTL. The server's reaper runs every half second.
@@ -58,6 +60,7 @@ def _uids_running(uid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_a_container_expires_by_its_ttl_and_the_reaper_retires_it(reaping):
     database = reaping.data_dir / "shoal.sqlite3"
 
