@@ -20,25 +20,20 @@ def _membership(*hosts: Host) -> Membership:
     return membership
 
 
-def test_memory_short_host_is_passed_over_for_one_with_fewer_free_slots():
-    crowded = Host("n1", "node-1", "http://a", free=40, memory_room=1)
-    roomy = Host("n2", "node-2", "http://b", free=10, memory_room=30)
-    membership = _membership(crowded, roomy)
-    assert {membership.roomiest().key for _ in range(20)} == {"n2"}
-
-
-def test_free_slots_decide_when_memory_is_plentiful_or_unknown():
-    busy = Host("n1", "node-1", "http://a", free=2, memory_room=500)
-    idle = Host("n2", "node-2", "http://b", free=30, memory_room=None)
-    assert _membership(busy, idle).roomiest().key == "n2"
-
-
-def test_between_hosts_their_memory_caps_alike_the_emptier_one_wins():
-    # Plenty of memory reads as the same room on both (a 24 GiB host holds 23
-    # sandboxes at 1 GiB): the one with fewer sessions still gets the next.
-    busier = Host("n1", "node-1", "http://a", free=40, memory_room=23)
-    emptier = Host("n2", "node-2", "http://b", free=60, memory_room=23)
-    membership = _membership(busier, emptier)
+@pytest.mark.parametrize("other, roomier", [
+    # Short of memory: passed over for a host with fewer free slots.
+    ((40, 1), (10, 30)),
+    # Memory plentiful, or not reported: the free slots decide.
+    ((2, 500), (30, None)),
+    # Memory caps both alike (a 24 GiB host holds 23 sandboxes at 1 GiB): the
+    # one with fewer sessions still gets the next.
+    ((40, 23), (60, 23)),
+], ids=["memory-short", "slots-decide", "memory-caps-alike"])
+def test_the_host_with_the_most_room_gets_the_next_sandbox(other, roomier):
+    """(free slots, memory room) of two hosts: the roomier one is chosen every time."""
+    membership = _membership(
+        Host("n1", "node-1", "http://a", free=other[0], memory_room=other[1]),
+        Host("n2", "node-2", "http://b", free=roomier[0], memory_room=roomier[1]))
     assert {membership.roomiest().key for _ in range(20)} == {"n2"}
 
 
