@@ -24,6 +24,7 @@ import pytest
 from httpx_sse import connect_sse
 
 from shoal.cluster.host import key_length
+from shoal.config import Settings
 from tests.api.contract import load_contract, schema_checker
 from tests.api.test_conformance import assert_conformant, run_checks
 from tests.serving import start_server
@@ -264,7 +265,10 @@ def _sweep_killed(cluster, index: int, tmp_path) -> None:
     node = cluster.nodes[index]
     env = node["env"]
     (tmp_path / "sweep").mkdir()
+    # On the host's own run directory too, where its containers' volumes were mounted.
+    run_dir = Path(env.get("SHOAL_RUN_DIR") or Settings.model_fields["run_dir"].default)
     start_server(tmp_path / "sweep", uid_base=node["uid_base"], data_dir=Path(node["data_dir"]),
+                 run_dir=run_dir,
                  database_url=env["SHOAL_DATABASE_URL"], object_store=env["SHOAL_OBJECT_STORE"],
                  object_store_endpoint=env["SHOAL_OBJECT_STORE_ENDPOINT"],
                  object_store_access_key=env["SHOAL_OBJECT_STORE_ACCESS_KEY"],
