@@ -29,7 +29,7 @@ from . import seccomp
 from .cgroups import Cgroup
 from .channel import Channel, ChannelClosed
 from .mounts import AGENT_ROOT, RUNTIME, SandboxHome, bwrap_arguments
-from .zygote import Zygote, spawn_spec
+from .zygote import Zygote, ZygoteFailed, spawn_spec
 
 BWRAP = "/usr/bin/bwrap"
 SETPRIV = "/usr/bin/setpriv"
@@ -79,12 +79,15 @@ class LaunchConfig:
 
 @dataclass
 class SandboxProcess:
-    """A sandbox's process tree: bwrap's (``popen``) or a zygote fork's (``outer_pid``)."""
+    """A sandbox's process tree: bwrap's (``popen``), or the zygote's forks: the
+    sandbox's init (``outer_pid``, its one process the host's pid namespace
+    does not hold) and the agent the zygote forked into its walls (``forked_agent``)."""
 
     popen: subprocess.Popen | None
     channel: Channel
     agent_pid: int
     outer_pid: int = 0
+    forked_agent: int = 0
     errors_fd: int = -1  # our end of bwrap's stderr pipe, closed with the sandbox
 
     def close_channel(self) -> None:
@@ -111,13 +114,21 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
     errors_read, errors_write = os.pipe()
     os.set_blocking(errors_read, False)
     popen = None
-    outer_pid = 0
+    outer_pid = forked_agent = 0
     try:
         if config.zygote is not None:
             spec = spawn_spec(home, uid, cgroup.procs_files, config.tmp_size_bytes,
                               config.open_files, config.nproc,
                               egress=config.egress_dir is not None)
-            outer_pid = await config.zygote.spawn(spec, sandbox_end.fileno(), home.root)
+            try:
+                outer_pid, forked_agent = await config.zygote.spawn(spec, sandbox_end.fileno(),
+                                                                     home.root)
+            except ZygoteFailed as exc:
+                # The walls could not be built: the zygote's diagnostics say why.
+                host_end.close()
+                os.close(errors_read)
+                raise LaunchFailed(f"{exc}: {config.zygote.diagnostics() or 'no diagnostics'}"
+                                   ) from None
         else:
             seccomp_fd = seccomp.write_filter_fd(inet=config.egress_dir is not None)
             try:
@@ -141,7 +152,7 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
             channel.close()
         else:
             host_end.close()
-        process = SandboxProcess(popen, channel, 0, outer_pid)  # type: ignore[arg-type]
+        process = SandboxProcess(popen, channel, 0, outer_pid, forked_agent)  # type: ignore[arg-type]
         await asyncio.shield(asyncio.to_thread(stop_process_tree, process, cgroup))
         try:
             detail = os.read(errors_read, 4000).decode(errors="replace").strip()
@@ -157,7 +168,7 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
         raise
     agent_pid = hello.get("pid") if isinstance(hello.get("pid"), int) else 0
     return SandboxProcess(popen=popen, channel=channel, agent_pid=agent_pid, outer_pid=outer_pid,
-                          errors_fd=errors_read)
+                          forked_agent=forked_agent, errors_fd=errors_read)
 
 
 def _children(pid: int) -> list[int]:
@@ -179,19 +190,19 @@ def _wait_reaped(pid: int, timeout: float = 5.0) -> None:
 def stop_process_tree(process: SandboxProcess, cgroup: Cgroup) -> None:
     """Kill a sandbox's processes and reap the ones that are ours to reap.
 
-    The sandbox's init goes first: the kernel then ends its whole pid
-    namespace, the outer process reaps it and exits, and nothing is orphaned
-    to the host's init as a zombie. The cgroup sweep catches anything that got
-    away. (A zygote's forks are the zygote's children; it reaps them.)
+    bubblewrap's init goes first: the kernel then ends its whole pid namespace,
+    the outer bubblewrap reaps it and exits, and nothing is orphaned to the
+    host's init as a zombie. The cgroup kill catches anything that got away,
+    and is all a zygote's sandbox needs: its processes are the children of the
+    zygote and its builder, which reap them (orphans go to them too), and we
+    wait until they have.
     """
-    outer = process.popen.pid if process.popen is not None else process.outer_pid
-    if outer:
-        for child in _children(outer):
+    if process.popen is not None:
+        for child in _children(process.popen.pid):
             try:
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    if process.popen is not None:
         try:
             process.popen.wait(2)
         except subprocess.TimeoutExpired:
@@ -200,8 +211,10 @@ def stop_process_tree(process: SandboxProcess, cgroup: Cgroup) -> None:
     if process.popen is not None:
         process.popen.kill()
         process.popen.wait()
-    elif outer:
-        _wait_reaped(outer)
+    else:
+        for pid in (process.outer_pid, process.forked_agent):
+            if pid:
+                _wait_reaped(pid)
     if process.errors_fd >= 0:
         os.close(process.errors_fd)
         process.errors_fd = -1

@@ -133,14 +133,15 @@ class Zygote:
             os.close(tree)
         return self._receive()
 
-    async def spawn(self, spec: dict, channel_fd: int, home: Path) -> int:
+    async def spawn(self, spec: dict, channel_fd: int, home: Path) -> tuple[int, int]:
         """Fork a sandbox described by ``spec`` on the files under ``home``;
-        returns the pid of its outer process."""
+        returns the pids of its init and of its agent (both as the host sees
+        them)."""
         async with self._lock:
             answer = await asyncio.to_thread(self._request, spec, channel_fd, home)
-        if "pid" not in answer:
+        if "pid" not in answer or "agent" not in answer:
             raise ZygoteFailed(f"the zygote refused: {answer.get('error', answer)}")
-        return int(answer["pid"])
+        return int(answer["pid"]), int(answer["agent"])
 
     def diagnostics(self) -> str:
         """The last words the zygote or its forks wrote to stderr."""

@@ -96,7 +96,10 @@ def host_processes() -> list[dict]:
             found.append({"pid": int(name), "name": fields.get("Name", ""),
                           "state": fields.get("State", "?")[:1],
                           "ppid": int(fields.get("PPid", "0")),
-                          "uid": int(fields["Uid"].split()[0])})
+                          "uid": int(fields["Uid"].split()[0]),
+                          # The pid in each namespace, the host's first: one entry
+                          # for a process of the host's pid namespace.
+                          "nspid": [int(n) for n in fields.get("NSpid", name).split()]})
         except (OSError, ValueError, KeyError):
             continue  # gone meanwhile
     return found
@@ -117,18 +120,19 @@ def wait_for_no_processes(uids: range | set[int], timeout: float = REAP_SECONDS)
 
 
 def sandbox_processes(uid: int) -> dict[str, list[dict]]:
-    """A sandbox's host processes by role, by their place in the tree (so for either
-    launcher): the outer process (bwrap, or the zygote's fork; its parent is not
-    the sandbox's), the init of the pid namespace (its child) and the agent (the
-    interpreter the init started)."""
+    """A sandbox's host processes by role, by their pid namespaces (so for either
+    launcher): bubblewrap's outer process is in the host's pid namespace (a
+    zygote's sandbox has none), the init is pid 1 of the sandbox's namespace,
+    and the agent is the interpreter beside it (bwrap's init started it; the
+    zygote forked it in). The handle is the one the server holds: the outer
+    bubblewrap, or the zygote's init."""
     mine = [p for p in processes_in({uid}) if p["state"] != "Z"]
-    pids = {p["pid"] for p in mine}
-    outer = [p for p in mine if p["ppid"] not in pids]
-    outer_pids = {p["pid"] for p in outer}
-    inner = [p for p in mine if p["ppid"] in outer_pids]
-    inner_pids = {p["pid"] for p in inner}
-    agents = [p for p in mine if p["ppid"] in inner_pids and p["name"].startswith("python")]
-    return {"outer": outer, "inner": inner, "agent": agents, "all": mine}
+    outer = [p for p in mine if len(p["nspid"]) == 1]
+    inner = [p for p in mine if len(p["nspid"]) > 1 and p["nspid"][-1] == 1]
+    agents = [p for p in mine if len(p["nspid"]) > 1 and p["nspid"][-1] == 2
+              and p["name"].startswith("python")]
+    return {"outer": outer, "inner": inner, "agent": agents, "handle": outer or inner,
+            "all": mine}
 
 
 def _mount_points() -> list[str]:

@@ -3,13 +3,18 @@
 Each fork runs in a user namespace of its own that maps only its uid, with an
 empty bounding set and no capabilities; the zygote's own mount namespace is
 built from nothing, so it pins no other server's volume; and the forks of one
-zygote do not share their random state.
+zygote do not share their random state. Only the agent is a fork of the zygote:
+the sandbox's init comes from the small builder, and the agent joins exactly
+the init's namespaces.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -56,6 +61,87 @@ async def test_root_of_the_host_cannot_be_reached_inside(sandbox):
     # EPERM: no capability; EINVAL: uid 0 does not exist in the namespace at all.
     assert all(answer in ("EPERM", "EINVAL") for answer in result.stdout.split()), result
     assert len(result.stdout.split()) == 3, result
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as handle:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in handle if ":\t" in line)
+
+
+def _sandbox_tree(pool, sandbox) -> dict[str, int]:
+    process = sandbox._process
+    return {"init": process.outer_pid, "agent": process.forked_agent,
+            "zygote": pool._zygote._popen.pid}
+
+
+async def test_only_the_agent_is_a_fork_of_the_zygote(zygote_only, pool, sandbox):
+    """The sandbox's init is the builder's child, a process a tenth of the zygote's
+    size; the agent is the zygote's child; the sandbox has these two processes."""
+    tree = _sandbox_tree(pool, sandbox)
+    init, agent = _status(tree["init"]), _status(tree["agent"])
+    builder = int(init["PPid"])
+    assert int(_status(builder)["PPid"]) == tree["zygote"]
+    assert _status(builder)["Uid"].split()[0] == "0"
+    assert int(agent["PPid"]) == tree["zygote"]
+    assert init["NSpid"].split()[-1] == "1" and agent["NSpid"].split()[-1] == "2"
+    rss = {name: int(status["VmRSS"].split()[0]) for name, status in
+           (("init", init), ("agent", agent))}
+    assert rss["init"] * 4 < rss["agent"], rss
+    mine = [int(p) for p in os.listdir("/proc") if p.isdigit()
+            and _status(int(p)).get("Uid", "").split()[:1] == [str(sandbox.uid)]]
+    assert sorted(mine) == sorted([tree["init"], tree["agent"]]), mine
+
+
+async def test_the_agent_is_in_exactly_the_inits_namespaces(zygote_only, pool, sandbox):
+    tree = _sandbox_tree(pool, sandbox)
+    for kind in ("pid", "mnt", "net", "ipc", "uts", "cgroup", "user"):
+        assert (os.readlink(f"/proc/{tree['agent']}/ns/{kind}")
+                == os.readlink(f"/proc/{tree['init']}/ns/{kind}")), kind
+        assert (os.readlink(f"/proc/{tree['agent']}/ns/{kind}")
+                != os.readlink(f"/proc/{tree['zygote']}/ns/{kind}")), kind
+    # Its children are born in the sandbox's namespace too; the zygote's next ones
+    # in the zygote's own, whatever sandbox it forked last (between its setns and
+    # its fork, while the pool refills, they would be a new sandbox's: it comes back).
+    assert (os.readlink(f"/proc/{tree['agent']}/ns/pid_for_children")
+            == os.readlink(f"/proc/{tree['init']}/ns/pid"))
+    own = os.readlink(f"/proc/{tree['zygote']}/ns/pid")
+    deadline = time.monotonic() + 10
+    while (os.readlink(f"/proc/{tree['zygote']}/ns/pid_for_children") != own
+           and time.monotonic() < deadline):
+        await asyncio.sleep(0.001)
+    assert os.readlink(f"/proc/{tree['zygote']}/ns/pid_for_children") == own
+    result = await sandbox.run_bash("cat /proc/self/status | grep -E '^NSpid'; hostname")
+    assert result.stdout.split("\n")[1] == "sandbox", result.stdout
+
+
+async def test_sandboxes_never_share_a_pid_namespace(zygote_only, pool):
+    leased = [await pool.lease() for _ in range(3)]
+    try:
+        namespaces = {os.readlink(f"/proc/{s._process.forked_agent}/ns/pid") for s in leased}
+        assert len(namespaces) == 3
+        listings = [(await s.run_python(
+            "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")).stdout
+            for s in leased]
+        # Its init and its agent (which runs the code): nothing of another sandbox's.
+        assert listings == ["[1, 2]\n"] * 3, listings
+    finally:
+        for s in leased:
+            await s.close()
+
+
+async def test_an_agent_gone_takes_its_sandbox_with_it(zygote_only, pool):
+    """The agent is not the init's child: the init learns of its end from the pipe
+    the agent held, and ends the sandbox (no init waits for an agent that is gone)."""
+    sandbox = await pool.lease()
+    try:
+        tree = _sandbox_tree(pool, sandbox)
+        os.kill(tree["agent"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{tree['init']}") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not os.path.exists(f"/proc/{tree['init']}"), "the init outlived its agent"
+    finally:
+        await sandbox.close()
 
 
 def _zygote_pids() -> list[int]:

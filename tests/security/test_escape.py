@@ -882,22 +882,23 @@ def _status_of(pid: int) -> dict[str, str]:
 
 
 def _launcher_of_sandbox(uid: int, server_pid: int) -> str:
-    """Which launcher started the sandbox running as ``uid``, seen from the host: bwrap's
-    outer process is the server's child, named bwrap; a zygote's fork is the child of
-    the zygote, a process of the server's that runs ``shoal_agent.zygote``."""
+    """Which launcher started the sandbox running as ``uid``, seen from the host, by
+    the parent of the sandbox's init (pid 1 of its namespace): bwrap's init is the
+    child of an outer bwrap, itself the server's child; a zygote's init is the
+    child of a process of the server's that runs ``shoal_agent.zygote`` (its builder)."""
     mine = {int(p) for p in os.listdir("/proc") if p.isdigit()
             and _uid_of(int(p)) == uid}
-    outer = [pid for pid in mine if int(_status_of(pid)["PPid"]) not in mine]
-    assert len(outer) == 1, f"uid {uid} runs {len(outer)} sandbox trees: {sorted(mine)}"
-    status = _status_of(outer[0])
-    parent = int(status["PPid"])
+    init = [pid for pid in mine if _status_of(pid)["NSpid"].split()[-1] == "1"]
+    assert len(init) == 1, f"uid {uid} runs {len(init)} sandboxes: {sorted(mine)}"
+    parent = int(_status_of(init[0])["PPid"])
     with open(f"/proc/{parent}/cmdline", "rb") as handle:
         parent_command = handle.read()
-    if parent == server_pid and status["Name"] == "bwrap":
+    parent_status = _status_of(parent)
+    if parent_status["Name"] == "bwrap" and int(parent_status["PPid"]) == server_pid:
         return "bwrap"
     if b"shoal_agent.zygote" in parent_command:
         return "zygote"
-    return f"unknown (outer {status['Name']}, parent {parent_command!r})"
+    return f"unknown (init's parent {parent_status['Name']}, {parent_command!r})"
 
 
 def _uid_of(pid: int) -> int | None:
