@@ -90,6 +90,7 @@ def _runtime_page(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from .server import startup_problems
 
+    from .sandbox.cgroups import dynamic_changes_favored
     from .sandbox.preflight import zygote_problems
 
     settings = settings_from(args)
@@ -106,6 +107,13 @@ def _check(args: argparse.Namespace) -> int:
         print("launcher: bwrap, because the zygote cannot run here:\n  - " + "\n  - ".join(slow))
     else:
         print("launcher: zygote (forked sandboxes, each in its own user namespace)")
+    if dynamic_changes_favored():
+        print("cgroups: favordynmods is set (a sandbox joins its cgroups in well under a ms)")
+    elif settings.cgroup_favor_dynmods:
+        print("cgroups: favordynmods is not set yet; serve sets it at start")
+    else:
+        print("cgroups: favordynmods is not set: each sandbox's cgroup join waits for an RCU "
+              "grace period (--cgroup-favor-dynmods sets it)")
     return 0
 
 

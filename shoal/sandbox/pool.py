@@ -25,7 +25,7 @@ from pathlib import Path
 from shoal.config import MiB, Settings
 
 from . import preflight
-from .cgroups import CgroupManager, Limits
+from .cgroups import CgroupManager, Limits, favor_dynamic_changes
 from .launcher import LaunchConfig, LaunchFailed, SandboxProcess, launch, stop_process_tree
 from .mounts import SandboxHome
 from .volumes import Volume, mounts_under, unmount
@@ -108,6 +108,10 @@ class SandboxPool:
         """Check isolation (fail closed), then warm the pool to its size."""
         preflight.require_isolation()
         self._cgroups = CgroupManager()
+        if self.settings.cgroup_favor_dynmods:
+            refused = favor_dynamic_changes()
+            if refused:
+                log.warning("sandboxes start slower here: %s", refused)
         await asyncio.to_thread(self._sweep_stale)
         runtime = find_runtime(self.settings.runtime_dir)
         self._runtime_hold = hold_runtime(runtime)

@@ -67,3 +67,56 @@ def test_a_group_that_stays_busy_is_kept_and_removed_on_retry(manager):
     child.rmdir()
     assert manager.retry() == 0
     assert [d for d in group.directories.values() if d.exists()] == []
+
+
+def _set_favordynmods(on: bool) -> None:
+    """Set or clear cgroup2's favordynmods by hand, keeping the mount's other options."""
+    import ctypes
+
+    from shoal.sandbox.cgroups import _mounts
+
+    point, options = next((point, options) for point, fstype, options in _mounts()
+                          if fstype == "cgroup2")
+    kept = [o for o in options if o not in ("rw", "ro", "favordynmods")]
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mount(None, point.encode(), None, ctypes.c_ulong(32),
+                      ",".join(kept + (["favordynmods"] if on else [])).encode()) == 0, \
+        ctypes.get_errno()
+
+
+def _cgroup2_options() -> list[str] | None:
+    from shoal.sandbox.cgroups import _mounts
+
+    return next((options for _, fstype, options in _mounts() if fstype == "cgroup2"), None)
+
+
+@pytest.mark.parametrize("wanted", [True, False])
+async def test_the_pool_sets_favordynmods_when_asked_and_keeps_the_mounts_options(
+        tmp_path, wanted):
+    """With favordynmods a process moves into a cgroup without waiting for an RCU
+    grace period; the pool sets it at start (the default), on the cgroup2 mount,
+    and leaves every other option of that mount as it was; asked not to, it
+    leaves the host alone."""
+    from pathlib import Path
+
+    from shoal.config import Settings
+    from shoal.sandbox import SandboxPool
+    from shoal.sandbox.cgroups import dynamic_changes_favored
+    from tests.uid_slots import uid
+
+    if _cgroup2_options() is None:
+        pytest.skip("no cgroup2 mount on this host")
+    before = set(_cgroup2_options()) - {"favordynmods"}
+    _set_favordynmods(False)
+    pool = SandboxPool(Settings(pool_size=0, data_dir=tmp_path / "data",
+                                run_dir=Path("/run/shoal-test") / f"fdm-{secrets.token_hex(3)}",
+                                uid_base=uid(283_000), uid_count=8,
+                                cgroup_favor_dynmods=wanted))
+    try:
+        await pool.start()
+        assert dynamic_changes_favored() is wanted
+        assert set(_cgroup2_options()) - {"favordynmods"} == before
+    finally:
+        await pool.close()
+        _set_favordynmods(True)  # as the other servers of this run left it
+        subprocess.run(["rm", "-rf", str(pool.settings.run_dir)], check=False)
