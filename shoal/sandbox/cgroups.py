@@ -158,24 +158,30 @@ class Cgroup:
             pass
 
     def kill(self, timeout: float = 20.0) -> None:
-        """Kill every process in the group and wait until it is empty."""
+        """Kill every process in the group and wait until it is empty.
+
+        Runs on every teardown, so it reads the membership lists directly (no
+        path objects) and waits for the kernel with a growing pause rather than
+        re-reading them every millisecond."""
+        pids = self.pids()
+        if not pids:
+            return
         self._unthrottle()
         unified = self.directories.get("unified")
-        kill_file = unified / "cgroup.kill" if unified else None
+        kill_file = os.path.join(unified, "cgroup.kill") if unified is not None else None
         deadline = time.monotonic() + timeout
-        while True:
-            pids = self.pids()
-            if not pids:
-                return
+        pause = 0.0005
+        while pids:
             unreached = pids
-            if kill_file is not None and kill_file.exists():
+            if kill_file is not None:
                 try:
-                    kill_file.write_text("1")
+                    with open(kill_file, "w") as handle:
+                        handle.write("1")
                     # cgroup.kill reaches the unified group's members only: a
                     # process in another hierarchy alone gets SIGKILL by pid.
                     unreached = sorted(set(pids) - set(_members(unified)))
                 except OSError:
-                    kill_file = None
+                    kill_file = None  # no cgroup.kill here (Linux < 5.14)
             for pid in unreached:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -183,7 +189,9 @@ class Cgroup:
                     pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"processes {pids} survived SIGKILL")
-            time.sleep(0.001)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.008)
+            pids = self.pids()
 
     def remove(self, timeout: float = 1.0) -> list[Path]:
         """Remove the group's directories; the ones still there after ``timeout``
@@ -374,10 +382,18 @@ class CgroupManager:
 
 def _members(directory: Path, listing: str = "cgroup.procs") -> list[int]:
     try:
-        text = (directory / listing).read_text()
+        fd = os.open(os.path.join(directory, listing), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return []
-    return [int(pid) for pid in text.split()]
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    return [int(pid) for pid in b"".join(chunks).split()]
 
 
 def _join(mount_point: Path, cgroup_path: str) -> Path:

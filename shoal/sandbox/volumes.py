@@ -98,7 +98,10 @@ def _mount_points() -> list[str]:
 
 
 def is_mounted(mount_point: Path) -> bool:
-    return str(mount_point.resolve()) in _mount_points()
+    """Whether a volume is mounted at ``mount_point``: a volume is a filesystem of
+    its own, so the directory is on another device than its parent (a stat of
+    each, where reading the mount table would cost a line per live volume)."""
+    return os.path.ismount(mount_point)
 
 
 def mounts_under(directory: Path) -> list[Path]:
