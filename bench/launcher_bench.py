@@ -60,7 +60,34 @@ def mem_available() -> int:
     return 0
 
 
-def pss_of_uids(uids: range) -> tuple[int, int]:
+def zygote_pss(server_pid: int) -> int:
+    zygote = server_zygote(server_pid)
+    return pss_of_pid(zygote) if zygote else 0
+
+
+def pss_of_pid(pid: int) -> int:
+    for row in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if row.startswith("Pss:"):
+            return int(row.split()[1]) * 1024
+    return 0
+
+
+def server_zygote(server_pid: int) -> int:
+    """The zygote: the server's child that runs shoal_agent.zygote (0 with bwrap)."""
+    try:
+        children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    except OSError:
+        return 0
+    for child in children:
+        try:
+            if b"shoal_agent.zygote" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+        except OSError:
+            continue
+    return 0
+
+
+def pss_of_uids(uids) -> tuple[int, int]:
     """(total PSS in bytes, processes) of every process running as one of ``uids``."""
     total = count = 0
     for name in os.listdir("/proc"):
@@ -96,7 +123,7 @@ async def wait_warm(connection: Connection, size: int) -> None:
         await asyncio.sleep(0.05)
 
 
-async def figures(port: int, pool_size: int) -> None:
+async def figures(port: int, pool_size: int, pid: int) -> None:
     control = await Connection.open(port)
     await wait_warm(control, pool_size)
     for _ in range(200):
@@ -129,12 +156,23 @@ async def figures(port: int, pool_size: int) -> None:
         ms, _ = await timed(control, "POST", f"/sessions/{session}/exec", exec_body(chart))
         first_chart.append(ms)
     line("import pandas + a saved figure, fresh session", first_chart, h50)
-    for session in sessions[11:]:
-        await timed(control, "POST", f"/sessions/{session}/exec", exec_body("import pandas"))
-    total, processes = pss_of_uids(range(uid(UID_BASE), uid(UID_BASE) + 4096))
+    uids = {}
+    for session in sessions:
+        _, body = await timed(control, "POST", f"/sessions/{session}/exec",
+                              exec_body("import pandas, os\nprint(os.getuid())"))
+        uids[session] = int(json.loads(body)["result_block"]["content"]["stdout"])
+    await asyncio.sleep(1)
+    idle = [pss_of_uids({uids[s]}) for s in sessions[11:]]
+    charted = [pss_of_uids({uids[s]}) for s in sessions[1:11]]
+    everything, processes = pss_of_uids(range(uid(UID_BASE), uid(UID_BASE) + 4096))
     live = len(sessions) + pool_size
-    print(f"{'idle PSS per session, pandas imported':<44} {total / live / 2**20:8.2f} MiB"
-          f"   ({processes} processes, {live} sandboxes incl. the warm pool)", flush=True)
+    for label, found in (("idle PSS per session, pandas imported", idle),
+                         ("  a session that drew a chart, for scale", charted)):
+        print(f"{label:<44} {statistics.median(t for t, _ in found) / 2**20:8.2f} MiB"
+              f"   (median of {len(found)}; {found[0][1]} processes each)", flush=True)
+    print(f"{'  every sandbox process, per live sandbox':<44} {everything / live / 2**20:8.2f} MiB"
+          f"   ({processes} processes, {live} sandboxes incl. the warm pool; "
+          f"the zygote's own PSS {zygote_pss(pid) / 2**20:.1f} MiB is shared by all)", flush=True)
     for session in sessions:
         await control.request("DELETE", f"/sessions/{session}")
 
@@ -209,7 +247,7 @@ def main() -> None:
             if args.density:
                 asyncio.run(density(port, args.density, server.process.pid))
             else:
-                asyncio.run(figures(port, args.pool_size))
+                asyncio.run(figures(port, args.pool_size, server.process.pid))
         finally:
             server.stop()
 
