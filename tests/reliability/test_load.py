@@ -236,13 +236,19 @@ def _settled_figures(server: ShoalServer, http: httpx.Client, timeout: float = 1
     while True:
         health = http.get("/health").json()
         figures = server_figures(server)
-        # Each warm sandbox is three processes: the outer one, its init, the agent.
+        each = PROCESSES_PER_SANDBOX[health["launcher"]]
         settled = (health["sessions"] == 0 and health["pool_ready"] == health["pool_target"]
                    and health["pool_target"] >= pool_size
-                   and figures["processes"] == 3 * health["pool_ready"])
+                   and figures["processes"] == each * health["pool_ready"])
         if settled or time.monotonic() > deadline:
-            return {**figures, "settled": settled, "pool_ready": health["pool_ready"]}
+            return {**figures, "settled": settled, "pool_ready": health["pool_ready"],
+                    "processes_each": each}
         time.sleep(0.2)
+
+
+# A warm sandbox's processes: bubblewrap's outer process, its init and the agent;
+# the zygote's sandbox init and the agent.
+PROCESSES_PER_SANDBOX = {"bwrap": 3, "zygote": 2}
 
 
 def run_soak(server: ShoalServer, seconds: float, workers: int = 4) -> None:
@@ -313,8 +319,8 @@ def run_soak(server: ShoalServer, seconds: float, workers: int = 4) -> None:
     assert end["fds"] - start["fds"] - grown < 20, ("open fds grew", start, end)
     assert end["threads"] - start["threads"] < 10, "threads grew"
     # Nothing but the warm pool runs in the uid range: no sandbox outlived its session.
-    assert end["processes"] == 3 * end["pool_ready"]
-    assert start["processes"] == 3 * start["pool_ready"]
+    assert end["processes"] == end["processes_each"] * end["pool_ready"]
+    assert start["processes"] == start["processes_each"] * start["pool_ready"]
     # Each warm sandbox holds one scratch volume: one loop device, one mount; no
     # destroyed session's volume, device or disk stays behind.
     assert end["loops"] == end["pool_ready"] and start["loops"] == start["pool_ready"], (start, end)
