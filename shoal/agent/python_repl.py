@@ -203,39 +203,98 @@ def _flush_std_streams() -> None:
 
 
 _SAVED = "_shoal_saved"
+_DRAW_DUE = "_shoal_draw_due"
+# The modules whose classes Shoal adjusts, each as soon as it is loaded.
+_FIGURE, _AGG = "matplotlib.figure", "matplotlib.backends.backend_agg"
 
 
 def _note_saved_figures() -> None:
-    """Every figure the code saves is marked, so the figures left open at the end
-    of a cell are saved for it only if it did not save them itself (or changed
-    them since: the figure is stale again). Matplotlib is marked when it is
-    loaded: now if it is, else as a cell imports it."""
-    module = sys.modules.get("matplotlib.figure")
-    if module is None:
-        if not any(isinstance(finder, _FigureImportHook) for finder in sys.meta_path):
-            sys.meta_path.insert(0, _FigureImportHook())
-        return
-    if getattr(module.Figure.savefig, _SAVED, False):
-        return
+    """Adjust matplotlib for a sandbox, now where it is loaded, else as a cell
+    imports it:
+
+    - every figure the code saves is marked, so the figures left open at the end
+      of a cell are saved for it only if it did not save them itself (or changed
+      them since: the figure is stale again);
+    - Agg draws "when idle" only once something reads its pixels (see
+      :func:`_draw_agg_when_read`)."""
+    figure, agg = sys.modules.get(_FIGURE), sys.modules.get(_AGG)
+    hooks = [finder for finder in sys.meta_path if isinstance(finder, _MatplotlibImportHook)]
+    if figure is None or agg is None:
+        if not hooks:
+            sys.meta_path.insert(0, _MatplotlibImportHook())
+    else:
+        for hook in hooks:
+            sys.meta_path.remove(hook)
+    if figure is not None and not getattr(figure.Figure.savefig, _SAVED, False):
+        _mark_saved_figures(figure)
+    if agg is not None and not getattr(agg.FigureCanvasAgg.draw_idle, _DRAW_DUE, False):
+        _draw_agg_when_read(agg)
+
+
+def _mark_saved_figures(module) -> None:
     original = module.Figure.savefig
 
     def savefig(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         setattr(self, _SAVED, True)
+        # Saving drew the figure as it is: it is not stale. (matplotlib marks it
+        # so as it puts the save's dpi and colours back; pyplot's redraw after a
+        # save cleared that, and Agg now makes that redraw only when read.)
+        self.stale = False
         return result
 
     setattr(savefig, _SAVED, True)
     module.Figure.savefig = savefig
 
 
-class _FigureImportHook:
-    """Marks matplotlib's figures as ``matplotlib.figure`` finishes loading."""
+def _draw_agg_when_read(module) -> None:
+    """A request to redraw "once control returns to the GUI event loop" (that is
+    matplotlib's ``draw_idle``) draws at once on Agg, which has no event loop: so
+    ``plt.savefig`` drew every saved figure twice, once into the file and once
+    more after it (~40 ms each for a small chart), for a screen a sandbox does
+    not have. Here the request is noted and honoured when the canvas's pixels
+    are next read; a save draws for itself."""
+    canvas = module.FigureCanvasAgg
+    draw = canvas.draw
+
+    def draw_idle(self, *args, **kwargs):
+        setattr(self, _DRAW_DUE, True)
+
+    def drawn(self, *args, **kwargs):
+        setattr(self, _DRAW_DUE, False)
+        return draw(self, *args, **kwargs)
+
+    def reading(method):
+        def read(self, *args, **kwargs):
+            if getattr(self, _DRAW_DUE, False):
+                self.draw()
+            return method(self, *args, **kwargs)
+        read.__name__, read.__doc__ = method.__name__, method.__doc__
+        return read
+
+    for name in ("buffer_rgba", "tostring_argb", "tostring_rgb", "copy_from_bbox"):
+        if hasattr(canvas, name):
+            setattr(canvas, name, reading(getattr(canvas, name)))
+    drawn.__doc__ = draw.__doc__
+    setattr(draw_idle, _DRAW_DUE, True)
+    canvas.draw, canvas.draw_idle = drawn, draw_idle
+
+
+class _MatplotlibImportHook:
+    """Adjusts matplotlib's modules as they finish loading (see _note_saved_figures);
+    it finds nothing itself, it only wraps what the real finders find."""
+
+    def __init__(self) -> None:
+        self._finding = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != "matplotlib.figure":
+        if name not in (_FIGURE, _AGG) or self._finding:
             return None
-        sys.meta_path.remove(self)  # the real finders find it; this only waits
-        spec = importlib.util.find_spec(name)
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader

@@ -284,6 +284,36 @@ async def test_shown_figure_is_saved_as_png(sandbox):
     assert second_path != path
 
 
+async def test_a_saved_chart_is_drawn_once(sandbox):
+    """plt.savefig draws into the file; the redraw "when idle" it asks for after
+    the save waits until something reads the canvas (Agg has no screen to refresh)."""
+    result = await ok(sandbox, "import matplotlib.pyplot as plt\n"
+                               "from matplotlib.figure import Figure\n"
+                               "drawn = []\n"
+                               "original = Figure.draw\n"
+                               "Figure.draw = lambda self, renderer: (drawn.append(1), "
+                               "original(self, renderer))[1]\n"
+                               "plt.plot([1, 3, 2])\nplt.savefig('/tmp/once.png')\n"
+                               "plt.close('all')\nFigure.draw = original\nprint(len(drawn))")
+    assert result.stdout == "1\n", result.stderr
+
+
+async def test_a_redraw_asked_for_is_there_when_the_pixels_are_read(sandbox):
+    """What the deferral must not change: after plt.draw() the canvas holds the
+    chart, and after a transparent save it holds the figure's own colours again
+    (the redraw pyplot asks for), the moment anything reads it."""
+    result = await ok(sandbox, "import matplotlib.pyplot as plt, numpy as np\n"
+                               "figure = plt.figure()\nplt.plot([1, 3, 2], linewidth=8)\n"
+                               "plt.draw()\n"
+                               "pixels = np.asarray(figure.canvas.buffer_rgba())\n"
+                               "print(pixels[..., :3].min() < 128)\n"
+                               "plt.savefig('/tmp/clear.png', transparent=True)\n"
+                               "print(np.asarray(figure.canvas.buffer_rgba())[..., 3].min())\n"
+                               "region = figure.canvas.copy_from_bbox(figure.bbox)\n"
+                               "print(type(region).__name__)\nplt.close('all')")
+    assert result.stdout.split() == ["True", "255", "BufferRegion"], result.stderr
+
+
 async def test_two_open_figures_are_both_saved(sandbox):
     result = await ok(sandbox, "import matplotlib.pyplot as plt\n"
                                "plt.figure(); plt.plot([1, 2])\n"
