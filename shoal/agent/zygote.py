@@ -48,6 +48,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -427,41 +428,120 @@ def _forget_wakeups() -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
+class _Walls:
+    """One sandbox's walls in the making: its init, and what the builder waits
+    for it to say next ("u": map my user namespace; "r": the walls are up)."""
+
+    def __init__(self, request: object, uid: int, init: int, sync: socket.socket) -> None:
+        self.request = request
+        self.uid = uid
+        self.init = init
+        self.sync = sync
+        self.expecting = b"u"
+        self.deadline = time.monotonic() + _WALLS_SECONDS
+
+    def advance(self) -> list[int] | None:
+        """Act on what the init said; its namespaces (as fds) once its walls are up,
+        None while they are being built. Raises if the init stopped or strayed."""
+        said = self.sync.recv(1)
+        if said != self.expecting:
+            raise OSError("the init stopped before its user namespace" if self.expecting == b"u"
+                          else "the init stopped before its walls were up")
+        if said == b"u":
+            # The init's user namespace maps the sandbox's uid (and gid) to itself, only.
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{self.init}/{name}", "w") as handle:
+                    handle.write(f"{self.uid} {self.uid} 1\n")
+            self.sync.send(b"m")
+            self.expecting = b"r"
+            return None
+        # Opened while it is our child and not yet reaped, so its pid names it
+        # and no other process: the agent joins these.
+        namespaces: list[int] = []
+        try:
+            for kind in NAMESPACES:
+                namespaces.append(os.open(f"/proc/{self.init}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC))
+        except BaseException:
+            for fd in namespaces:
+                os.close(fd)
+            raise
+        return namespaces
+
+    def abandon(self) -> None:
+        try:
+            os.kill(self.init, signal.SIGKILL)  # not reaped yet: the pid is still its own
+        except ProcessLookupError:
+            pass
+        self.sync.close()
+
+
 def _build_walls(requests: socket.socket) -> None:
     """The builder: for each request (a spec, the files' mount tree, the read end
     of the agent's liveness pipe), make the sandbox's init and answer with its
-    pid and namespaces as fds, or with why it failed."""
+    pid and namespaces as fds, or with why it failed. Many sandboxes' walls are
+    built at once: each init does its own work, and the builder only forks it
+    and maps its user namespace when it asks."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     wake = _wakeup_on_children()
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    building: dict[socket.socket, _Walls] = {}
+
+    def answer(walls_request: object, body: dict, fds: list[int] = ()) -> None:
+        socket.send_fds(requests, [json.dumps({"request": walls_request, **body}).encode()],
+                        list(fds))
+
+    def failed(walls: _Walls, reason: str) -> None:
+        walls.abandon()
+        del building[walls.sync]
+        os.write(2, f"zygote: building a sandbox's walls failed: {reason}\n".encode())
+        answer(walls.request, {"error": "the sandbox's walls could not be built"})
+
     while True:
-        readable, _, _ = select.select([requests, wake], [], [])
+        now = time.monotonic()
+        wait = min((w.deadline for w in building.values()), default=now + 60) - now
+        readable, _, _ = select.select([requests, wake, *building], [], [], max(0.0, wait))
         if wake in readable:
             _drain(wake)
         _reap()
+        for walls in [w for w in building.values() if w.sync in readable]:
+            try:
+                namespaces = walls.advance()
+            except Exception as exc:  # that sandbox failed; the others go on
+                failed(walls, repr(exc))
+                continue
+            if namespaces is not None:
+                del building[walls.sync]
+                walls.sync.close()
+                try:
+                    answer(walls.request, {"pid": walls.init}, namespaces)
+                finally:
+                    for fd in namespaces:
+                        os.close(fd)
+        for walls in [w for w in building.values() if time.monotonic() > w.deadline]:
+            failed(walls, "timed out")
         if requests not in readable:
             continue
         message, fds, _, _ = socket.recv_fds(requests, 1 << 20, 2)
         if not message:
             os._exit(0)
-        namespaces: list[int] = []
+        spec: dict = {}
         try:
+            spec = json.loads(message)
             if len(fds) != 2:
                 raise ValueError("a walls request carries two fds")
-            pid, namespaces = _walls(json.loads(message), fds, own_pid_ns, (requests, wake))
-            socket.send_fds(requests, [json.dumps({"pid": pid}).encode()], namespaces)
-        except Exception as exc:  # one sandbox failed; the builder serves the next
+            walls = _start_walls(spec, fds, own_pid_ns, (requests, wake, *building))
+            building[walls.sync] = walls
+        except Exception as exc:  # that sandbox failed; the builder serves the next
             os.write(2, f"zygote: building a sandbox's walls failed: {exc!r}\n".encode())
-            requests.send(json.dumps({"error": "the sandbox's walls could not be built"}).encode())
+            answer(spec.get("request"), {"error": "the sandbox's walls could not be built"})
         finally:
-            for fd in (*fds, *namespaces):
+            for fd in fds:
                 os.close(fd)
 
 
-def _walls(spec: dict, fds: list[int], own_pid_ns: int, closing: tuple) -> tuple[int, list[int]]:
-    """Fork the sandbox's init into a new pid namespace, map its user namespace
-    when it asks, and return its pid and namespaces once its walls are up."""
+def _start_walls(spec: dict, fds: list[int], own_pid_ns: int, closing: tuple) -> _Walls:
+    """Fork the sandbox's init into a new pid namespace; it builds its walls."""
     sync, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         init = _fork_in_pid_namespace(
@@ -480,34 +560,7 @@ def _walls(spec: dict, fds: list[int], own_pid_ns: int, closing: tuple) -> tuple
         finally:
             os._exit(70)
     theirs.close()
-    sync.settimeout(_WALLS_SECONDS)
-    try:
-        uid = spec["uid"]
-        if sync.recv(1) != b"u":
-            raise OSError("the init stopped before its user namespace")
-        # The init's user namespace maps the sandbox's uid (and gid) to itself, only.
-        for name in ("uid_map", "gid_map"):
-            with open(f"/proc/{init}/{name}", "w") as handle:
-                handle.write(f"{uid} {uid} 1\n")
-        sync.send(b"m")
-        if sync.recv(1) != b"r":
-            raise OSError("the init stopped before its walls were up")
-        # Opened while it is our child and not yet reaped, so its pid names it
-        # and no other process: the agent joins these.
-        namespaces: list[int] = []
-        try:
-            for kind in NAMESPACES:
-                namespaces.append(os.open(f"/proc/{init}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC))
-        except BaseException:
-            for fd in namespaces:
-                os.close(fd)
-            raise
-        return init, namespaces
-    except BaseException:
-        os.kill(init, signal.SIGKILL)  # not reaped yet: the pid is still its own
-        raise
-    finally:
-        sync.close()
+    return _Walls(spec.get("request"), spec["uid"], init, sync)
 
 
 def _start_builder(control: socket.socket) -> socket.socket:
@@ -544,48 +597,32 @@ def _fork_in_pid_namespace(enter, own_pid_ns: int) -> int:
     return child
 
 
-def _spawn(spec: dict, channel_fd: int, tree_fd: int, builder: socket.socket,
-           own_pid_ns: int, closing: tuple) -> dict:
-    """One sandbox: its walls from the builder, then the agent forked into them."""
-    alive_read, alive_write = os.pipe2(os.O_CLOEXEC)
-    namespaces: list[int] = []
-    try:
+def _fork_agent(spec: dict, channel_fd: int, alive_write: int, namespaces: list[int],
+                own_pid_ns: int, closing: tuple) -> int:
+    """Fork the sandbox's agent into the namespaces its init made; its pid."""
+    agent = _fork_in_pid_namespace(lambda: _setns(namespaces[0], "pid"), own_pid_ns)
+    if agent == 0:
         try:
-            socket.send_fds(builder, [json.dumps(spec).encode()], [tree_fd, alive_read])
+            _forget_wakeups()
+            for owned in closing:
+                owned.close()
+            _enter(spec, namespaces, channel_fd, alive_write)
+        except BaseException as exc:  # never run the agent half-isolated
+            os.write(2, f"zygote: isolation failed: {exc!r}\n".encode())
+            os._exit(70)
+        try:
+            _run_agent(spec, channel_fd)
         finally:
-            os.close(tree_fd)
-            os.close(alive_read)
-        message, namespaces, _, _ = socket.recv_fds(builder, 65536, len(NAMESPACES))
-        if not message:
-            return {"error": "the zygote's builder is gone"}
-        answer = json.loads(message)
-        if "pid" not in answer or len(namespaces) != len(NAMESPACES):
-            return {"error": answer.get("error", "the builder answered without namespaces")}
-        agent = _fork_in_pid_namespace(lambda: _setns(namespaces[0], "pid"), own_pid_ns)
-        if agent == 0:
-            try:
-                _forget_wakeups()
-                for owned in closing:
-                    owned.close()
-                _enter(spec, namespaces, channel_fd, alive_write)
-            except BaseException as exc:  # never run the agent half-isolated
-                os.write(2, f"zygote: isolation failed: {exc!r}\n".encode())
-                os._exit(70)
-            try:
-                _run_agent(spec, channel_fd)
-            finally:
-                os._exit(0)
-        return {"pid": answer["pid"], "agent": agent}
-    finally:
-        os.close(alive_write)
-        os.close(channel_fd)
-        for fd in namespaces:
-            os.close(fd)
+            os._exit(0)
+    return agent
 
 
 def serve(control_fd: int, preload: list[str]) -> None:
     """Answer spawn requests on a SOCK_SEQPACKET socket: one message with two fds,
-    the sandbox's channel and the detached mount tree of its files."""
+    the sandbox's channel and the detached mount tree of its files; the message
+    names the request, and so does its answer. A spawn is two steps, the walls
+    (the builder's) and the agent (ours): the zygote takes new requests while
+    walls are being built, so many sandboxes start at once."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the server's death is ours too
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     control = socket.socket(fileno=control_fd)
@@ -606,27 +643,77 @@ def serve(control_fd: int, preload: list[str]) -> None:
     gc.collect()
     gc.freeze()
     control.send(json.dumps({"ready": True, "failed": failed}).encode())
+    # request -> (its spec, the agent's channel, the agent's end of its liveness pipe)
+    starting: dict[object, tuple[dict, int, int]] = {}
+
+    def answer(request: object, body: dict) -> None:
+        control.send(json.dumps({"request": request, **body}).encode())
+
     while True:
-        readable, _, _ = select.select([control, wake], [], [], 1.0)
+        readable, _, _ = select.select([control, wake, *([builder] if builder else [])],
+                                       [], [], 1.0)
         if wake in readable:
             _drain(wake)
         _reap()
+        if builder is not None and builder in readable:
+            message, namespaces, _, _ = socket.recv_fds(builder, 65536, len(NAMESPACES))
+            if not message:  # the builder is gone: no sandbox can start any more
+                builder.close()
+                builder = None
+                for request, (_, channel_fd, alive_write) in starting.items():
+                    os.close(channel_fd)
+                    os.close(alive_write)
+                    answer(request, {"error": "the zygote's builder is gone"})
+                starting.clear()
+                continue
+            reply = json.loads(message)
+            entry = starting.pop(reply.get("request"), None)
+            try:
+                if entry is None:
+                    pass  # not ours (cannot happen): its fds are closed below
+                elif "pid" not in reply or len(namespaces) != len(NAMESPACES):
+                    answer(reply.get("request"), {"error": reply.get(
+                        "error", "the builder answered without namespaces")})
+                else:
+                    spec, channel_fd, alive_write = entry
+                    try:
+                        agent = _fork_agent(spec, channel_fd, alive_write, namespaces,
+                                            own_pid_ns, (control, builder))
+                        answer(reply["request"], {"pid": reply["pid"], "agent": agent})
+                    except Exception as exc:  # one failed sandbox; the others live on
+                        answer(reply["request"], {"error": f"starting a sandbox failed: {exc!r}"})
+            finally:
+                if entry is not None:
+                    os.close(entry[1])
+                    os.close(entry[2])
+                for fd in namespaces:
+                    os.close(fd)
         if control not in readable:
             continue
         message, fds, _, _ = socket.recv_fds(control, 1 << 20, 2)
         if not message:
             return
-        if len(fds) != 2:
+        spec = {}
+        try:
+            spec = json.loads(message)
+            if len(fds) != 2:
+                raise ValueError("a spawn request carries two fds")
+            if builder is None:
+                raise OSError("the zygote's builder is gone")
+            alive_read, alive_write = os.pipe2(os.O_CLOEXEC)
+            try:
+                socket.send_fds(builder, [message], [fds[1], alive_read])
+            except BaseException:
+                os.close(alive_write)
+                raise
+            finally:
+                os.close(alive_read)
+            starting[spec.get("request")] = (spec, os.dup(fds[0]), alive_write)
+        except Exception as exc:  # one failed sandbox; the zygote and the others live on
+            answer(spec.get("request"), {"error": f"starting a sandbox failed: {exc!r}"})
+        finally:
             for fd in fds:
                 os.close(fd)
-            control.send(json.dumps({"error": "a spawn request carries two fds"}).encode())
-            continue
-        try:
-            answer = _spawn(json.loads(message), fds[0], fds[1], builder, own_pid_ns,
-                            (control, builder))
-        except Exception as exc:  # one failed sandbox; the zygote and the others live on
-            answer = {"error": f"starting a sandbox failed: {exc!r}"}
-        control.send(json.dumps(answer).encode())
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import itertools
 import json
 import os
 import socket
@@ -24,6 +25,8 @@ from .mounts import (AGENT_ROOT, EXTERNAL, OPENAI_DATA, OUTPUTS, RUNTIME, SANDBO
 from .mounts import EGRESS_DIR, MASKED_PROC, egress_env, etc_entries
 
 READY_TIMEOUT_SECONDS = 120.0
+# A spawn's answer: the builder gives a sandbox's walls 10 s, the fork is quick.
+SPAWN_TIMEOUT_SECONDS = 30.0
 # The zygote's own root, built from nothing in its private mount namespace: only
 # what it and its forks read (/usr, the curated /etc, the runtime, the agent, a
 # few devices) and the cgroup hierarchies its forks join. Then pivot_root and detach the host's tree, so the zygote holds
@@ -89,8 +92,12 @@ class Zygote:
         self._preload = preload
         self._socket: socket.socket | None = None
         self._popen: subprocess.Popen | None = None
-        self._lock = asyncio.Lock()
         self._errors = None
+        # Spawns under way, by request number: the zygote answers them as their
+        # sandboxes come up, in whatever order.
+        self._requests = itertools.count(1)
+        self._answers: dict[int, asyncio.Future] = {}
+        self._send_lock = asyncio.Lock()
 
     async def start(self) -> None:
         host_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -116,6 +123,31 @@ class Zygote:
             raise ZygoteFailed("the zygote did not start: " + (detail or "no output"))
         if not ready.get("ready"):
             raise ZygoteFailed(f"the zygote answered {ready!r}")
+        asyncio.get_running_loop().add_reader(self._socket, self._on_answer)
+
+    def _on_answer(self) -> None:
+        """The zygote answered a spawn (or went away: every spawn under way fails)."""
+        assert self._socket is not None
+        try:
+            message = self._socket.recv(65536, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            message = b""
+        if not message:
+            asyncio.get_running_loop().remove_reader(self._socket)
+            for future in self._answers.values():
+                if not future.done():
+                    future.set_exception(ZygoteFailed("the zygote stopped answering"))
+            self._answers.clear()
+            return
+        try:
+            answer = json.loads(message)
+            future = self._answers.pop(answer.get("request"), None)
+        except (ValueError, AttributeError):
+            return  # not an answer (cannot happen): the spawn waiting for one times out
+        if future is not None and not future.done():
+            future.set_result(answer)
 
     def _receive(self) -> dict:
         assert self._socket is not None
@@ -124,24 +156,34 @@ class Zygote:
             raise ZygoteFailed("the zygote closed its socket")
         return json.loads(message)
 
-    def _request(self, spec: dict, channel_fd: int, home: Path) -> dict:
+    def _request(self, spec: dict, channel_fd: int, home: Path) -> None:
         assert self._socket is not None
         tree = open_tree(home)
         try:
             socket.send_fds(self._socket, [json.dumps(spec).encode()], [channel_fd, tree])
         finally:
             os.close(tree)
-        return self._receive()
 
     async def spawn(self, spec: dict, channel_fd: int, home: Path) -> tuple[int, int]:
         """Fork a sandbox described by ``spec`` on the files under ``home``;
         returns the pids of its init and of its agent (both as the host sees
-        them)."""
-        async with self._lock:
-            answer = await asyncio.to_thread(self._request, spec, channel_fd, home)
-        if "pid" not in answer or "agent" not in answer:
-            raise ZygoteFailed(f"the zygote refused: {answer.get('error', answer)}")
-        return int(answer["pid"]), int(answer["agent"])
+        them). Many spawns may be under way at once."""
+        if self._socket is None:
+            raise ZygoteFailed("the zygote is closed")
+        request = next(self._requests)
+        answer = self._answers[request] = asyncio.get_running_loop().create_future()
+        try:
+            async with self._send_lock:  # one message at a time on the socket
+                await asyncio.to_thread(self._request, {**spec, "request": request},
+                                        channel_fd, home)
+            reply = await asyncio.wait_for(answer, SPAWN_TIMEOUT_SECONDS)
+        except asyncio.TimeoutError:
+            raise ZygoteFailed("the zygote did not answer a spawn") from None
+        finally:
+            self._answers.pop(request, None)
+        if "pid" not in reply or "agent" not in reply:
+            raise ZygoteFailed(f"the zygote refused: {reply.get('error', reply)}")
+        return int(reply["pid"]), int(reply["agent"])
 
     def diagnostics(self) -> str:
         """The last words the zygote or its forks wrote to stderr."""
@@ -153,10 +195,18 @@ class Zygote:
         return self._errors.read().decode(errors="replace").strip()
 
     def close(self) -> None:
+        for future in self._answers.values():
+            if not future.done():
+                future.set_exception(ZygoteFailed("the zygote was closed"))
+        self._answers.clear()
         if self._errors is not None:
             self._errors.close()
             self._errors = None
         if self._socket is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self._socket)
+            except RuntimeError:
+                pass  # no loop runs (the start failed before one read it)
             self._socket.close()
             self._socket = None
         if self._popen is not None:
