@@ -217,11 +217,12 @@ class SandboxPool:
             raise PoolBusy(f"{self._waiting} requests already wait for a sandbox to start; "
                            "retry in a moment")
         self._waiting += 1
-        self._wakeup.set()
         try:
             return await self._launch_new()
         finally:
             self._waiting -= 1
+            if not self._waiting:
+                self._wakeup.set()  # the refill held back for the waiting leases
 
     async def launch_for(self, home: SandboxHome, name: str,
                          memory_bytes: int | None = None) -> Sandbox:
@@ -383,7 +384,10 @@ class SandboxPool:
                 self._extra -= 1
                 if len(self._ready) > self.target:
                     await self._ready.pop(0).close()
-            while (len(self._ready) + len(self._warming) < self.target
+            # While leases wait for sandboxes of their own, the pool's refill
+            # waits: its launches would take CPU from the requests waiting now.
+            while (not self._waiting
+                   and len(self._ready) + len(self._warming) < self.target
                    and len(self._live) < self.target + self.settings.max_sessions):
                 task = asyncio.create_task(self._launch_into_pool())
                 self._warming.add(task)

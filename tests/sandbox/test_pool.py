@@ -209,6 +209,51 @@ async def test_lease_from_an_empty_pool_launches_on_demand(pool, settings):
             await sandbox.close()
 
 
+async def test_sandboxes_launched_at_once_each_get_their_own(pool, settings):
+    """Launches under way at the same time (the zygote takes a new one while
+    another's walls are built) are answered each with its own sandbox: its channel
+    reaches an agent running as its uid, in its own init's namespaces."""
+    await settle(pool)
+    sandboxes = await asyncio.gather(*(pool._launch_new() for _ in range(6)))
+    try:
+        assert len({s.uid for s in sandboxes}) == 6
+        answers = await asyncio.gather(*(s.run_python("import os\nprint(os.getuid())")
+                                         for s in sandboxes))
+        assert [a.stdout for a in answers] == [f"{s.uid}\n" for s in sandboxes]
+        if pool.launcher == "zygote":
+            for sandbox in sandboxes:
+                process = sandbox._process
+                assert (os.readlink(f"/proc/{process.forked_agent}/ns/mnt")
+                        == os.readlink(f"/proc/{process.outer_pid}/ns/mnt"))
+    finally:
+        await asyncio.gather(*(s.close() for s in sandboxes))
+
+
+async def test_the_refill_waits_while_leases_wait_for_their_own(settings, tmp_path):
+    """A lease that found the pool empty launches its own sandbox; while any such
+    lease waits, the refill starts nothing (its launches would take CPU from the
+    requests waiting now), and it refills once they are served."""
+    private = SandboxPool(private_settings(settings.run_dir, pool_size=1, data_dir=tmp_path))
+    await private.start()
+    try:
+        await private.wait_warm()
+        launches = private.stats.launches
+        first = await private.lease()  # the warm one: the refill would start now
+        private._waiting += 1  # as a lease waiting for its own launch holds it
+        try:
+            private._wakeup.set()
+            await asyncio.sleep(0.5)
+            assert private.stats.launches == launches and not private._warming
+        finally:
+            private._waiting -= 1
+        private._wakeup.set()
+        refilled = await wait_for(lambda: private.ready_count == private.target, timeout=60)
+        assert refilled and private.stats.launches == launches + 1
+        await first.close()
+    finally:
+        await private.close()
+
+
 async def test_two_sandboxes_are_isolated_from_each_other(pool, settings):
     first, second = await pool.lease(), await pool.lease()
     try:
