@@ -276,7 +276,9 @@ class SandboxPool:
     def problems(self) -> list[str]:
         """Why a lease could not get a sandbox now; empty when it could."""
         found = []
-        if self._uids.exhausted:
+        # Exhausted uids stop a lease only once no warm sandbox is left to hand out
+        # (the refill keeps every uid it can get for the pool).
+        if self._uids.exhausted and not self._ready:
             found.append("uids exhausted: every sandbox uid is leased")
         if self.warm_failures and not self._ready:
             found.append(f"pool cannot warm: {self.warm_failures} launches failed in a row "
