@@ -86,6 +86,13 @@ def _check_data_dir(settings: Settings) -> None:
                            f"{settings.data_dir}; give each server its own --data-dir")
 
 
+def _url_of(listener: socket.socket) -> str:
+    """Where the listener serves, as a URL: an IPv6 address goes in brackets
+    (RFC 3986), or the port would read as part of it."""
+    host, port = listener.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _listen(settings: Settings) -> socket.socket:
     """Bind before anything starts, so a taken port is one clear line, not a
     server that warmed its pool and then fails."""
@@ -147,9 +154,8 @@ def serve_front_end(settings: Settings) -> int:
         return _refuse([str(exc)])
     from .cluster.frontend import create_front_end
 
-    host, port = listener.getsockname()[:2]
     server = _AnnouncingServer(_uvicorn_config(create_front_end(settings), settings),
-                               f"shoal: serving on http://{host}:{port} (cluster front end)")
+                               f"shoal: serving on {_url_of(listener)} (cluster front end)")
     return _run(server, listener, "the cluster front end could not start")
 
 
@@ -207,10 +213,10 @@ def serve(settings: Settings) -> int:
     from .app import create_app
     from .draining import DrainingServer
 
-    host, port = listener.getsockname()[:2]
+    url = _url_of(listener)
     app = create_app(settings)
     server = DrainingServer(_uvicorn_config(app, settings), app, on_started=lambda: print(
-        f"shoal: serving on http://{host}:{port}", file=sys.stderr, flush=True))
+        f"shoal: serving on {url}", file=sys.stderr, flush=True))
     # A failed start here means the first sandbox could not be launched: isolation
     # the checks above cannot see is unavailable.
     return _run(server, listener, "start-up failed")

@@ -20,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serving import SHOAL, Server, free_port, start_server
+from tests.serving import DEFAULT_RUN_DIR, SHOAL, Server, free_port, start_server
+from tests.uid_slots import uid
 
 TOKEN, OPERATOR = "tok-acme-operability", "tok-operator-operability"
 OUTPUTS = "/mnt/user-data/outputs"
@@ -415,6 +416,36 @@ def test_a_port_in_use_is_one_line_before_anything_serves(tmp_path):
         port = taken.getsockname()[1]
         outcome = _refused(tmp_path, "--port", str(port))
     _one_clear_line(outcome, f"127.0.0.1:{port}", "in use")
+
+
+def test_the_banner_of_an_ipv6_listener_is_a_url_that_reaches_it(tmp_path):
+    """``serving on`` is the URL a cluster's front ends use to reach a host: an
+    IPv6 address needs its brackets there."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this host")
+    process = subprocess.Popen(
+        [str(SHOAL), "serve", "--host", "::1", "--port", "0", "--pool-size", "0",
+         "--data-dir", str(tmp_path / "data"), "--run-dir", str(DEFAULT_RUN_DIR),
+         "--uid-base", str(uid(884_000)), "--uid-count", "8"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={"PATH": "/usr/bin:/bin"})
+    try:
+        banner = ""
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not banner:
+            line = process.stderr.readline()
+            if not line:
+                break
+            if line.startswith("shoal: serving on "):
+                banner = line.split("serving on ", 1)[1].strip()
+        assert banner.startswith("http://[::1]:"), (banner, process.poll())
+        assert httpx.get(f"{banner}/livez", timeout=10).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 def test_a_second_server_on_a_data_dir_is_one_line(tmp_path, server_factory):
