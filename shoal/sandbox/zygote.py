@@ -33,9 +33,8 @@ SPAWN_TIMEOUT_SECONDS = 30.0
 # no copy of any host mount: no other server's volume stays pinned by it.
 _SCRIPT = r"""
 set -eu
-runtime=$1 agent=$2 fd=$3 preload=$4 etc=$5 devices=$6 egress=$7
-shift 7
-root=/tmp
+runtime=$1 agent=$2 fd=$3 preload=$4 etc=$5 devices=$6 egress=$7 root=$8
+shift 8
 mount -t tmpfs -o mode=0755,size=16m shoal-zygote "$root"
 cd "$root"
 mkdir -p usr etc dev proc tmp sys/fs/cgroup opt/shoal/runtime opt/shoal/agent
@@ -77,6 +76,20 @@ sys.path.insert(0, '/opt/shoal/agent'); from shoal_agent.zygote import serve; \
 serve(int(sys.argv[1]), sys.argv[2].split(','))" "$fd" "$preload"
 """
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+# Where, in its new mount namespace, the zygote mounts its root before it moves
+# in: the first of these that holds none of what it binds in (a run directory
+# under /tmp would otherwise vanish under the new root, and the zygote with it).
+_STAGING_POINTS = ("/tmp", "/mnt", "/media", "/srv")
+
+
+def _staging_point(*sources: Path | None) -> str:
+    shown = [os.path.realpath(source) for source in sources if source is not None]
+    for point in _STAGING_POINTS:
+        if os.path.isdir(point) and not any(
+                path == point or path.startswith(point + "/") for path in shown):
+            return point
+    raise ZygoteFailed("no staging point for the zygote's root holds none of what it binds "
+                       f"in ({', '.join(_STAGING_POINTS)})")
 
 
 class ZygoteFailed(RuntimeError):
@@ -108,6 +121,7 @@ class Zygote:
                 str(zygote_end.fileno()), ",".join(self._preload),
                 " ".join(str(path) for path in etc_entries()), " ".join(DEVICES),
                 str(self._egress_dir) if self._egress_dir is not None else "-",
+                _staging_point(self._runtime, self._agent_root, self._egress_dir),
                 *(f"{name}={value}" for name, value in SANDBOX_ENV.items())]
         self._popen = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,

@@ -212,3 +212,22 @@ async def test_the_preloaded_libraries_first_use_is_paid_by_the_zygote(tmp_path)
     finally:
         await pool.close()
         subprocess.run(["rm", "-rf", str(run_dir)], check=False)
+
+
+async def test_the_zygote_runs_with_its_run_directory_under_tmp(tmp_path):
+    """The zygote builds its root on a staging point in its own mount namespace;
+    one that holds the run directory (where the agent's copy lives) would hide it,
+    and the server would fall back to bubblewrap."""
+    settings = Settings(pool_size=1, data_dir=tmp_path / "data", run_dir=tmp_path / "run",
+                        uid_base=uid(282_000), uid_count=8, launcher="zygote")
+    pool = SandboxPool(settings)
+    await pool.start()
+    try:
+        assert pool.launcher == "zygote"
+        sandbox = await pool.lease()
+        try:
+            assert (await sandbox.run_python("print('up')")).stdout == "up\n"
+        finally:
+            await sandbox.close()
+    finally:
+        await pool.close()
