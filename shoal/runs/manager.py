@@ -218,7 +218,10 @@ class RunManager:
                                                        {"calls": [c.public() for c in calls]}))
         for upload in uploads:
             _, handle, _ = await self.sessions.uploads.open(tenant, upload.id)
-            await self.sessions.container_files.attach_upload(container, upload, handle)
+            await self.sessions.container_files.attach_upload(container, upload, handle,
+                                                              checkpoint=False)
+        if uploads:  # one snapshot for all of them
+            await self.sessions.container_files.checkpoint(container)
         run.emit("run.created", {"status": "running", "container_id": run.container_id})
         self._live[run.id] = run
         run.task = asyncio.create_task(self._execute(run, release_slot))
@@ -386,10 +389,12 @@ class RunManager:
             with handle:
                 kept.append(await sessions.container_files.put(
                     run.container, SandboxPath(OUTPUTS, path.parts[-1:]), handle,
-                    source_kind="assistant"))
+                    source_kind="assistant", checkpoint=False))
         for item in produced[GENERATED_FILES_PER_RUN:]:
             log.warning("run %s: produced file %s dropped (at most %d per run)", run.id,
                         item.path, GENERATED_FILES_PER_RUN)
+        if kept:  # one snapshot for the run's files, not one each
+            await sessions.container_files.checkpoint(run.container)
         return kept
 
     async def _finish(self, run: Run) -> None:

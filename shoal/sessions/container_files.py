@@ -156,7 +156,10 @@ class ContainerFiles:
         return ContainerFile(await self._reconciled(record, entry, row))
 
     async def put(self, record: ContainerRecord, path: SandboxPath, source: BinaryIO,
-                  source_kind: str = "user") -> ContainerFile:
+                  source_kind: str = "user", checkpoint: bool = True) -> ContainerFile:
+        """Write one file into the container; with ``checkpoint``, durable beyond this
+        host before it returns (a caller writing several checkpoints once, after
+        the last)."""
         files = self._containers.files_of(record)
         reader = _HashingReader(source)
         size = await asyncio.to_thread(files.write, path, reader)
@@ -165,9 +168,14 @@ class ContainerFiles:
                          created_at=previous.created_at if previous else time.time(), size=size,
                          source=source_kind, etag=reader.digest.hexdigest())
         await self._metadata.put_file(row)
-        await self._containers.checkpoint(record)  # in the object store before the answer
+        if checkpoint:
+            await self._containers.checkpoint(record)  # in the object store before the answer
         await self._containers.touch(record)
         return ContainerFile(row)
+
+    async def checkpoint(self, record: ContainerRecord) -> None:
+        """What was written to the container without a checkpoint, made durable."""
+        await self._containers.checkpoint(record)
 
     async def open(self, record: ContainerRecord, file_id: str) -> tuple[ContainerFile, BinaryIO, int]:
         item = await self.get(record, file_id)
@@ -183,10 +191,11 @@ class ContainerFiles:
         return item
 
     async def attach_upload(self, record: ContainerRecord, upload: UploadRecord,
-                            handle: BinaryIO) -> ContainerFile:
+                            handle: BinaryIO, checkpoint: bool = True) -> ContainerFile:
         """A tenant's uploaded file, copied into the container's uploads."""
         with handle:
-            return await self.put(record, SandboxPath(UPLOADS, (upload.filename,)), handle)
+            return await self.put(record, SandboxPath(UPLOADS, (upload.filename,)), handle,
+                                  checkpoint=checkpoint)
 
     async def lay_out_external(self, record: ContainerRecord) -> int:
         """Put the container's files where a run reads them (``./external-files``):
@@ -222,6 +231,7 @@ class ContainerFiles:
         workspace are copied into outputs, files in outputs already are; at most
         ``limit``, each within the file cap. What is dropped is logged."""
         kept: list[ContainerFile] = []
+        copied = False
         files = self._containers.files_of(record)
         for item in produced:
             path = parse_path(item.path)
@@ -234,12 +244,16 @@ class ContainerFiles:
                     handle, _ = await asyncio.to_thread(files.open_for_reading, path)
                     with handle:
                         kept.append(await self.put(record, SandboxPath(OUTPUTS, path.parts),
-                                                   handle, source_kind="assistant"))
+                                                   handle, source_kind="assistant",
+                                                   checkpoint=False))
+                    copied = True
                 elif path.mount == OUTPUTS:
                     kept.append(await self.get(record, encode_file_id(path.sandbox_path)))
             except FileAccessError as exc:
                 log.warning("container %s: produced file %s dropped: %s", record.id,
                             item.path, exc)
+        if copied:  # one snapshot for the run's files, not one each
+            await self._containers.checkpoint(record)
         return kept
 
     async def produced(self, record: ContainerRecord, produced: list[ProducedFile]) -> list[ContainerFile]:

@@ -267,3 +267,42 @@ def test_a_host_the_container_was_moved_from_never_writes_over_the_holders_snaps
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_run_that_keeps_many_files_snapshots_its_container_once(postgres_url, seaweedfs,
+                                                                   tmp_path):
+    """The files a run leaves at the top of its workspace are copied into the
+    container one by one, and made durable together: one snapshot, not one each
+    (each walks the whole container and writes a manifest)."""
+    bucket = seaweedfs.new_bucket()
+    server = _front_end(tmp_path, "many", 967_000, postgres_url, seaweedfs, bucket,
+                        log_level="debug", snapshot_interval_seconds=3600)
+    try:
+        with server.client() as http:
+            container = http.post("/v1/containers", json={"name": "many"}).json()["id"]
+            before = _snapshot_lines(server, container)
+            code = "for i in range(6):\n    open(f'part-{i}.csv', 'w').write(str(i))\n"
+            with http.stream("POST", "/v1/code-execution/runs",
+                             json={"code": code, "container": container}) as events:
+                finished = [line for line in events.iter_lines() if "run.completed" in line]
+            assert finished, "the run did not complete"
+            listed = http.get(f"/v1/containers/{container}/files").json()["data"]
+            assert sorted(Path(item["path"]).name for item in listed) == [
+                f"part-{i}.csv" for i in range(6)], listed
+            assert _snapshot_lines(server, container) - before == 1
+            (manifest,) = _manifests(seaweedfs, bucket)
+            assert sum(path.endswith(".csv") and "outputs/" in path
+                       for path in manifest["entries"]) == 6, manifest["entries"]
+    finally:
+        server.stop()
+
+
+def _snapshot_lines(server, container: str) -> int:
+    """The snapshots of ``container`` the server has written (its debug log says each)."""
+    count = 0
+    for line in server.log().splitlines():
+        if line.startswith("{"):
+            message = json.loads(line).get("message", "")
+            if message.startswith(f"container {container} snapshotted"):
+                count += 1
+    return count
