@@ -34,6 +34,9 @@ _CLIENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 # last_active_at is written through at most this often per container, so a busy
 # container costs the database one write per interval, not one per call.
 _TOUCH_WRITE_SECONDS = 5.0
+# Local copies of containers looked at per reaper round for whether this host
+# still holds them: a few database lookups per round, however many there are.
+_STALE_COPIES_PER_ROUND = 8
 
 
 class UnknownContainer(LookupError):
@@ -95,6 +98,7 @@ class ContainerManager:
         self._records: dict[tuple[str, str], ContainerRecord] = {}
         self._creating: dict[tuple[str, str], asyncio.Lock] = {}
         self._held: set[tuple[str, str]] = set()  # placed on this host (cluster mode)
+        self._stale_cursor = 0  # where the next round of _drop_stale_copies starts
         self._server_started = time.time()
 
     # -- records --------------------------------------------------------------------
@@ -378,6 +382,8 @@ class ContainerManager:
                 await asyncio.to_thread(self.files.detach, *key)  # its last snapshot, if kept
         if self.files.snapshots:
             await self._checkpoint_due(now)
+            if self.settings.node_key:
+                await self._drop_stale_copies()
         for record in await self.metadata.expired_containers(time.time()):
             if self.settings.node_key and (record.tenant, record.id) not in self._held:
                 continue  # another host's: its holder reaps it
@@ -389,6 +395,27 @@ class ContainerManager:
                 continue  # in use: a session's activity keeps it alive
             log.info("container %s expired", record.id)
             await self._retire(current, "expired")
+
+    async def _drop_stale_copies(self) -> None:
+        """Cluster mode: this host's copies of containers it does not hold, dropped
+        a few per round. Another host holds them now (moved off this one while it
+        was cut off or gone), or they are no more; the holder restores from the
+        bucket, never from here, so a copy left would hold disk forever."""
+        copies = await asyncio.to_thread(self.files.local_copies)
+        if not copies:
+            return
+        start = self._stale_cursor % len(copies)
+        batch = (copies[start:] + copies[:start])[:_STALE_COPIES_PER_ROUND]
+        self._stale_cursor = start + len(batch)
+        for key in batch:
+            if key in self._live or key in self._starting:
+                continue  # a sandbox works on it here: checked as it is used
+            if await self.metadata.placement(*key) == self.settings.node_key:
+                continue  # ours: kept for its next sandbox
+            self._held.discard(key)
+            if await asyncio.to_thread(self.files.drop_idle_copy, *key):
+                log.info("dropped this host's copy of container %s: another host holds it, "
+                         "or it is gone", key[1])
 
     async def _checkpoint_due(self, now: float) -> None:
         """Snapshot live containers whose last snapshot is older than the interval,

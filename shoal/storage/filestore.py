@@ -65,6 +65,17 @@ class FileStore(abc.ABC):
         """Containers whose last checkpoint failed, to be tried again."""
         return []
 
+    def local_copies(self) -> list[tuple[str, str]]:
+        """Cluster mode: the containers this host keeps a copy of that no sandbox
+        here works on, as (tenant, container id); empty where the local disk is all
+        there is."""
+        return []
+
+    def drop_idle_copy(self, tenant: str, container_id: str) -> bool:
+        """Drop this host's copy unless a sandbox here started on it meanwhile;
+        whether it was dropped. Only where a copy is kept elsewhere too."""
+        return False
+
     @abc.abstractmethod
     def destroy(self, tenant: str, container_id: str) -> None:
         """Delete every file of the container."""
@@ -133,6 +144,10 @@ class LocalFileStore(FileStore):
 
     def detach(self, tenant: str, container_id: str) -> None:
         self.volume(tenant, container_id).unmount()
+
+    def beside_images(self, suffix: str) -> list[Path]:
+        """The files beside the volumes' images named ``*<suffix>``."""
+        return sorted(self._images.glob(f"*/*{suffix}"))
 
     def destroy(self, tenant: str, container_id: str) -> None:
         self.volume(tenant, container_id).destroy()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -122,6 +123,21 @@ def _store_errors(what: str):
         raise StoreUnavailable(f"the file store could not {what}; retry later") from None
 
 
+_MARKER = ".snapshot"
+
+
+def _read_marker(marker: Path) -> dict:
+    """A local copy's marker: JSON, or (written by an older Shoal) the version alone."""
+    text = marker.read_text()
+    if text.startswith("{"):
+        try:
+            body = json.loads(text)
+        except ValueError:
+            return {}
+        return body if isinstance(body, dict) else {}
+    return {"version": text}
+
+
 class ObjectStoreFiles(FileStore):
     """Uploads in the bucket; containers on the local volumes, snapshotted to it."""
 
@@ -150,20 +166,45 @@ class ObjectStoreFiles(FileStore):
             return self._locks.setdefault(key, threading.Lock())
 
     def _marker(self, tenant: str, container_id: str) -> Path:
-        """Beside the volume's image: the snapshot version the local copy matches."""
-        return self._local.volume(tenant, container_id).image.with_suffix(".snapshot")
+        """Beside the volume's image: the snapshot version the local copy matches,
+        and whose copy it is (the image's name is a hash of the container's id)."""
+        return self._local.volume(tenant, container_id).image.with_suffix(_MARKER)
 
     def _local_version(self, tenant: str, container_id: str) -> str | None:
         try:
-            return self._marker(tenant, container_id).read_text() or None
+            return _read_marker(self._marker(tenant, container_id)).get("version") or None
         except OSError:
             return None
 
     def _set_local_version(self, tenant: str, container_id: str, version: str) -> None:
         marker = self._marker(tenant, container_id)
         partial = marker.with_suffix(".partial")
-        partial.write_text(str(version))
+        partial.write_text(json.dumps({"version": str(version), "tenant": tenant,
+                                       "container": container_id}))
         os.replace(partial, marker)
+
+    def local_copies(self) -> list[tuple[str, str]]:
+        found = []
+        for marker in self._local.beside_images(_MARKER):
+            try:
+                named = _read_marker(marker)
+            except OSError:
+                continue
+            key = (named.get("tenant"), named.get("container"))
+            if all(isinstance(part, str) for part in key) and key not in self._attached:
+                found.append(key)
+        return found
+
+    def drop_idle_copy(self, tenant: str, container_id: str) -> bool:
+        key = (tenant, container_id)
+        with self._lock(key):
+            if key in self._attached:
+                return False
+            self._local.destroy(tenant, container_id)
+            self._marker(tenant, container_id).unlink(missing_ok=True)
+            self._known.pop(key, None)
+            self._unsaved.discard(key)
+            return True
 
     def _up_to_date(self, tenant: str, container_id: str) -> tuple[SandboxHome, bool]:
         """The local copy made the bucket's snapshot if it is not that already;

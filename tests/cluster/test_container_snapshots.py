@@ -306,3 +306,52 @@ def _snapshot_lines(server, container: str) -> int:
             if message.startswith(f"container {container} snapshotted"):
                 count += 1
     return count
+
+
+def test_a_host_drops_its_copy_of_a_container_another_host_holds(postgres_url, seaweedfs,
+                                                                  tmp_path):
+    """Host A's copy of a container moved to host B (as a front end moves one off a
+    host the cluster reported gone) is dropped by A's reaper: B restores from the
+    bucket, never from A, so the copy would hold A's disk forever. A copy A still
+    holds stays."""
+    import asyncio
+
+    import asyncpg
+
+    bucket = seaweedfs.new_bucket()
+    first = _front_end(tmp_path, "a", 969_700, postgres_url, seaweedfs, bucket,
+                       node_key="nhostcccc", reaper_interval_seconds=0.5)
+    second = _front_end(tmp_path, "b", 969_800, postgres_url, seaweedfs, bucket,
+                        node_key="nhostdddd")
+    try:
+        with first.client() as one, second.client() as two:
+            moved, kept = (one.post("/v1/containers", json={"name": name}).json()["id"]
+                           for name in ("moved", "kept"))
+            for container in (moved, kept):
+                assert one.post(f"/v1/containers/{container}/files",
+                                files={"file": ("f.txt", b"one")}).status_code == 200
+            images = sorted((first.data_dir / "containers").glob("*/*.img"))
+            assert len(images) == 2, images
+
+            async def move() -> None:
+                db = await asyncpg.connect(postgres_url)
+                try:
+                    await db.execute("UPDATE placements SET host = 'nhostdddd' WHERE id = $1",
+                                     moved)
+                finally:
+                    await db.close()
+            asyncio.run(move())
+
+            deadline = time.monotonic() + 30
+            while len(list((first.data_dir / "containers").glob("*/*.img"))) != 1:
+                assert time.monotonic() < deadline, "host A kept its copy of the moved container"
+                time.sleep(0.2)
+            # The holder serves it from the bucket; A's other container is untouched.
+            names = [Path(item["path"]).name for item in
+                     two.get(f"/v1/containers/{moved}/files").json()["data"]]
+            assert names == ["f.txt"], names
+            assert [Path(item["path"]).name for item in
+                    one.get(f"/v1/containers/{kept}/files").json()["data"]] == ["f.txt"]
+    finally:
+        first.stop()
+        second.stop()
