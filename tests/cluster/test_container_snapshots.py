@@ -43,6 +43,22 @@ def _manifests(seaweedfs, bucket) -> list[dict]:
             for item in listed if item["Key"].endswith("/manifest.json")]
 
 
+def _move(postgres_url: str, container: str, host: str) -> None:
+    """Place ``container`` on ``host``, as a front end moves one off a host the
+    cluster reported gone."""
+    import asyncio
+
+    import asyncpg
+
+    async def move() -> None:
+        db = await asyncpg.connect(postgres_url)
+        try:
+            await db.execute("UPDATE placements SET host = $1 WHERE id = $2", host, container)
+        finally:
+            await db.close()
+    asyncio.run(move())
+
+
 def _exec(http, session_id: str, code: str) -> dict:
     answer = http.post(f"/sessions/{session_id}/exec",
                        json={"tool": "code_execution", "input": {"code": code}})
@@ -231,10 +247,6 @@ def test_a_host_the_container_was_moved_from_never_writes_over_the_holders_snaps
     A comes back and takes a write for it: it does not snapshot its stale copy over
     the holder's (which would lose the holder's acknowledged upload); it answers 421
     naming the holder, so the front end sends the write there."""
-    import asyncio
-
-    import asyncpg
-
     bucket = seaweedfs.new_bucket()
     first = _front_end(tmp_path, "a", 969_000, postgres_url, seaweedfs, bucket, node_key="nhostaaaa")
     second = _front_end(tmp_path, "b", 969_500, postgres_url, seaweedfs, bucket, node_key="nhostbbbb")
@@ -244,14 +256,7 @@ def test_a_host_the_container_was_moved_from_never_writes_over_the_holders_snaps
             assert one.post(f"/v1/containers/{container}/files",
                             files={"file": ("f1.txt", b"one")}).status_code == 200
 
-            async def move() -> None:
-                db = await asyncpg.connect(postgres_url)
-                try:
-                    await db.execute("UPDATE placements SET host = 'nhostbbbb' WHERE id = $1",
-                                     container)
-                finally:
-                    await db.close()
-            asyncio.run(move())
+            _move(postgres_url, container, "nhostbbbb")
 
             assert two.post(f"/v1/containers/{container}/files",
                             files={"file": ("f2.txt", b"two")}).status_code == 200
@@ -314,10 +319,6 @@ def test_a_host_drops_its_copy_of_a_container_another_host_holds(postgres_url, s
     host the cluster reported gone) is dropped by A's reaper: B restores from the
     bucket, never from A, so the copy would hold A's disk forever. A copy A still
     holds stays."""
-    import asyncio
-
-    import asyncpg
-
     bucket = seaweedfs.new_bucket()
     first = _front_end(tmp_path, "a", 969_700, postgres_url, seaweedfs, bucket,
                        node_key="nhostcccc", reaper_interval_seconds=0.5)
@@ -333,14 +334,7 @@ def test_a_host_drops_its_copy_of_a_container_another_host_holds(postgres_url, s
             images = sorted((first.data_dir / "containers").glob("*/*.img"))
             assert len(images) == 2, images
 
-            async def move() -> None:
-                db = await asyncpg.connect(postgres_url)
-                try:
-                    await db.execute("UPDATE placements SET host = 'nhostdddd' WHERE id = $1",
-                                     moved)
-                finally:
-                    await db.close()
-            asyncio.run(move())
+            _move(postgres_url, moved, "nhostdddd")
 
             deadline = time.monotonic() + 30
             while len(list((first.data_dir / "containers").glob("*/*.img"))) != 1:
