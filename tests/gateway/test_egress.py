@@ -69,9 +69,12 @@ def services():
         service.server_close()
 
 
-# Long enough that a busy machine still starts Python and imports anthropic in
-# the sandbox within it; test_a_token_expires then sleeps past it.
-TOKEN_SECONDS = 10
+# The shared server's model tokens outlive any test's wait, however busy the
+# machine (a sandbox that starts Python and imports anthropic under a loaded CI
+# once took longer than a 10 s lifetime); test_a_token_expires has a server of
+# its own whose tokens expire in seconds.
+TOKEN_SECONDS = 600
+SHORT_TOKEN_SECONDS = 4
 
 
 @pytest.fixture(scope="module")
@@ -280,10 +283,11 @@ def test_code_calls_the_model_with_a_token_not_the_operators_key(egress_server, 
     client = anthropic.Anthropic(base_url=egress_server.url, api_key=CLIENT_TOKEN, max_retries=0)
     seen = {}
 
-    def inner_turn(body):
-        return anthropic_turn(text("inner answer"))
-
-    def final(body):
+    def reply(body):
+        # Told apart by what they ask, not by their order: a sandbox call that
+        # never came shows as the tool result's stderr, not as a swapped answer.
+        if body["messages"] == [{"role": "user", "content": "from inside"}]:
+            return anthropic_turn(text("inner answer"))
         result = json.loads([b for b in body["messages"][-1]["content"]
                              if b.get("type") == "tool_result"][-1]["content"])
         seen.update(result)
@@ -295,7 +299,7 @@ def test_code_calls_the_model_with_a_token_not_the_operators_key(egress_server, 
         "command": f"cat > inner.py <<'EOF'\n{INNER}\nEOF\npython3 inner.py; "
                    f"key=$(echo {OPERATOR_KEY[::-1]} | rev); env | grep -c \"$key\"; "
                    "grep -rl \"$key\" /proc/self/environ /mnt /tmp /etc 2>/dev/null; "
-                   "echo scanned; id -u"})), inner_turn, final)
+                   "echo scanned; id -u"})), reply, reply)
     message = client.messages.create(model="claude-inner", max_tokens=256, tools=[TOOL],
                                      messages=[{"role": "user", "content": "go"}])
     assert message.content[-1].text == "done"
@@ -333,8 +337,11 @@ def test_code_calls_the_model_with_a_token_not_the_operators_key(egress_server, 
         assert answer.get("stdout") == "403", answer
 
 
-def test_a_token_expires(egress_server, upstream):
-    client = anthropic.Anthropic(base_url=egress_server.url, api_key=CLIENT_TOKEN, max_retries=0)
+def test_a_token_expires(gateway_factory, upstream):
+    # A server of its own, whose tokens live a few seconds: the sandbox asks with
+    # curl, which starts in milliseconds, so only the sleep crosses the expiry.
+    server = gateway_factory(model_token_seconds=SHORT_TOKEN_SECONDS)
+    client = anthropic.Anthropic(base_url=server.url, api_key=CLIENT_TOKEN, max_retries=0)
     seen = {}
 
     def final(body):
@@ -342,21 +349,22 @@ def test_a_token_expires(egress_server, upstream):
                                 if b.get("type") == "tool_result"][-1]["content"]))
         return anthropic_turn(text("done"))
 
-    # The token is issued before the command starts: sleeping until TOKEN_SECONDS
-    # after the command's own start is past its expiry, however slow the start.
-    code = ("import os, time, anthropic\n"
-            "c = anthropic.Anthropic(max_retries=0)\n"
-            "m = dict(model='m', max_tokens=8, messages=[{'role': 'user', 'content': 'x'}])\n"
-            "print(c.messages.create(**m).content[0].text)\n"
-            f"time.sleep(max(0, float(os.environ['STARTED']) + {TOKEN_SECONDS} + 0.5 - time.time()))\n"
-            "try:\n    c.messages.create(**m)\nexcept anthropic.AuthenticationError as e:\n"
-            "    print('refused', e.status_code)\n")
+    # The token is issued before the command starts: sleeping until the token's
+    # lifetime after the command's own start is past its expiry, however slow the start.
+    ask = ("curl -s -o answer.json -w '%{http_code}\\n' -H 'content-type: application/json' "
+           "-H \"authorization: Bearer $ANTHROPIC_AUTH_TOKEN\" "
+           "-d '{\"model\": \"m\", \"max_tokens\": 8, "
+           "\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}' "
+           "\"$ANTHROPIC_BASE_URL/v1/messages\"")
     upstream.script(anthropic_turn(tool_use("bash_code_execution", {
-        "command": f"export STARTED=$(date +%s.%N)\ncat > expiry.py <<'EOF'\n{code}EOF\n"
-                   "python3 expiry.py"})),
+        "command": f"STARTED=$(date +%s.%N)\n{ask}\n"
+                   "python3 -c \"import json; print(json.load(open('answer.json'))"
+                   "['content'][0]['text'])\"\n"
+                   f"sleep $(python3 -c \"import time; print(max(0, $STARTED + "
+                   f"{SHORT_TOKEN_SECONDS} + 0.5 - time.time()))\")\n{ask}"})),
         anthropic_turn(text("first")), final)
     message = client.messages.create(model="m", max_tokens=64, tools=[TOOL],
                                      messages=[{"role": "user", "content": "go"}])
     assert seen, ([block.type for block in message.content], message.content[-1],
                   [r.path for r in upstream.requests])
-    assert seen["stdout"].splitlines() == ["first", "refused 401"], seen
+    assert seen["stdout"].splitlines() == ["200", "first", "401"], seen
