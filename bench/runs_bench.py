@@ -8,6 +8,7 @@ Starts a real ``shoal serve`` and measures, with one keep-alive ``httpx``
 client for every figure (so the client's own cost is the same in each):
 
 - ``/health`` p50, the yardstick every other figure is divided by;
+- the first request to reach the runs API after the start (one sample);
 - a Python run, ``print(1)``: POST to ``run.completed``, p50 and p99, each
   started once the pool is full again (the steady state of a server whose
   requests arrive slower than it refills: the refill the previous run set off
@@ -124,6 +125,12 @@ def main() -> None:
         try:
             with httpx.Client(base_url=server.url, timeout=60) as http:
                 wait_warm(http, 4)
+                # Once: the first request to reach the runs API after the start
+                # (FastAPI builds a router's routes on first use unless the server
+                # built them at start).
+                started = time.perf_counter()
+                http.get("/v1/code-execution/runs/cexrun_none")
+                first = (time.perf_counter() - started) * 1000
                 for _ in range(200):
                     http.get("/health")
                 health = []
@@ -134,6 +141,8 @@ def main() -> None:
                 health_p50 = statistics.median(health)
                 print(f"{'/health':<38} p50 {health_p50:8.2f} ms   p99 {p(health, 0.99):8.2f} ms",
                       flush=True)
+                print(f"{'first request to the runs API':<38}     {first:8.2f} ms "
+                      f"({first / health_p50:5.1f}x /health, one sample, after the start)", flush=True)
                 python_body = {"language": "python", "code": "print(1)"}
                 python = [run_once(http, python_body, warm=4) for _ in range(args.runs)]
                 line("Python run, print(1)", python, health_p50)
