@@ -141,10 +141,12 @@ class Cgroup:
     def set_cpu_weight(self, weight: int) -> None:
         """The group's share of contended CPU against its siblings (100 is the
         kernel's default; cgroup v1 scales it to cpu.shares)."""
+        # os-level, not pathlib's text layer: a lease sets it on the way to the
+        # client's call, and a server that sat idle pays for every layer it touches.
         if self.version == 1:
-            (self.directories["cpu"] / "cpu.shares").write_text(str(max(2, weight * 1024 // 100)))
+            _write_value(self.directories["cpu"] / "cpu.shares", str(max(2, weight * 1024 // 100)))
         else:
-            (self.directories["unified"] / "cpu.weight").write_text(str(weight))
+            _write_value(self.directories["unified"] / "cpu.weight", str(weight))
 
     def _unthrottle(self) -> None:
         """Lift the CPU quota: a killed process still needs CPU time to exit, and
@@ -406,6 +408,14 @@ def _enable_v2_controllers(directory: Path) -> None:
         control.write_text("+memory +pids +cpu")
     except OSError as exc:
         raise CgroupUnavailable(f"cannot enable controllers in {directory}: {exc.strerror}") from None
+
+
+def _write_value(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
 
 
 def _read_counter(path: Path, key: str) -> int:
