@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     tool_wait_seconds: float = Field(300.0, gt=0, description="How long code waits for the "
                                      "result of one inner tool call before the call fails; "
                                      "this wait does not count against the run's timeout.")
+    stream_ping_seconds: float = Field(15.0, gt=0, description="A server-sent event stream "
+                                       "that has had nothing to say this long sends a comment, "
+                                       "so that proxies keep an idle connection open.")
     callback_allow: str = Field("", description="Hosts the server may POST programmatic tool "
                                 "calls to: 'host', 'host:port', '*.suffix' or a CIDR, "
                                 "comma-separated. Empty: no callbacks.")

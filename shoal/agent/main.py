@@ -172,6 +172,11 @@ class Agent:
         self._relay.begin(message.get("id"), wait_limit, clock.pause, clock.resume)
         try:
             return_code, timed_out = run(clock)
+            _exit_if_forked_copy()
+            # The files before the output's last drain: its frames and the answer
+            # then leave back to back, and the host reads them in one wake-up
+            # instead of two a file scan apart.
+            files = produced.produced_since(before, MAX_PRODUCED_FILES)
         finally:
             _exit_if_forked_copy()
             self._relay.finish()
@@ -180,7 +185,7 @@ class Agent:
             "return_code": return_code,
             "timed_out": timed_out,
             "truncated": truncated,
-            "files": produced.produced_since(before, MAX_PRODUCED_FILES),
+            "files": files,
             "tool_calls": self._relay.calls_made,
         }
 

@@ -15,13 +15,11 @@ the usual envelope), and the reference backend's programmatic tools.
 from __future__ import annotations
 
 import asyncio
-import json
 import keyword
 import re
 import secrets
 
 from fastapi import APIRouter, Depends, Query, Request, Response
-from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.concurrency import run_in_threadpool
 
 from shoal.runs import CallbackTools, EventLog, HostAllowlist, check_callback_url
@@ -29,6 +27,7 @@ from shoal.sandbox import StubSpec
 from shoal.sessions import ExecResult, Session, SessionManager, guess_mime_type
 
 from ._bodies import read_json_object
+from ._sse import EventStream, encode_batch
 from ._responses import file_response, json_response
 from ._uploads import read_upload, upload_file_name
 from .auth import tenant_of
@@ -238,13 +237,12 @@ def _streamed_exec(request: Request, session: Session, kind: str, tool: str, pay
 
     task = asyncio.create_task(run())
 
-    async def events():
-        async for event in log.follow(0):
-            yield ServerSentEvent(json.dumps(event.data, ensure_ascii=False), event=event.name,
-                                  id=str(event.id))
+    async def chunks():
+        async for batch in log.follow_batches(0, request.app.state.settings.stream_ping_seconds):
+            yield encode_batch(batch)
         await task
 
-    return EventSourceResponse(events(), ping=15)
+    return EventStream(chunks())
 
 
 # -- programmatic tools (the reference backend's) ---------------------------------------------

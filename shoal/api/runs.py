@@ -11,16 +11,16 @@ connection: it finishes whoever listens.
 
 from __future__ import annotations
 
-import json
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Query, Request, Response
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import ServerSentEvent
 
 from shoal.runs import (DEFAULT_TIMEOUT_MS, LANGUAGES, MAX_TIMEOUT_MS, Event, InvalidTools,
-                        RunManager, RunRequest, UnknownRun, normalise_tool)
+                        Run, RunManager, RunRequest, UnknownRun, normalise_tool)
 
 from ._bodies import read_json_object
+from ._sse import EventStream, encode_batch
 from ._responses import json_response
 from .auth import tenant_of
 from .errors import BadRequest
@@ -28,7 +28,6 @@ from .schemas import (RUN_EVENTS, RUNS_ERRORS, RunRecord, StartRun, SubmitToolRe
                       ToolResultsAccepted, request_body)
 
 router = APIRouter(prefix="/v1/code-execution/runs", tags=["runs"])
-PING_SECONDS = 15
 
 
 def _runs(request: Request) -> RunManager:
@@ -66,21 +65,29 @@ def parse_run(body: dict) -> RunRequest:
                       timeout_ms=min(timeout_ms, MAX_TIMEOUT_MS))
 
 
-def _sse(event: Event) -> ServerSentEvent:
-    return ServerSentEvent(json.dumps(event.data, ensure_ascii=False), event=event.name,
-                           id=str(event.id))
+async def _stream(batches: AsyncIterator[list[Event]], last_id: int,
+                  closed: Callable[[], bool]) -> AsyncIterator[bytes]:
+    """Each batch of events as one chunk; ``[DONE]`` rides with the last one."""
+    async for batch in batches:
+        if batch:
+            last_id = batch[-1].id
+        chunk = encode_batch(batch)
+        if closed():
+            yield chunk + _done(last_id)
+            return
+        yield chunk
+    yield _done(last_id)
 
 
-async def _stream(events: AsyncIterator[Event], last_id: int) -> AsyncIterator[ServerSentEvent]:
-    async for event in events:
-        last_id = event.id
-        yield _sse(event)
-    yield ServerSentEvent("[DONE]", id=str(last_id + 1))
+def _done(last_id: int) -> bytes:
+    return ServerSentEvent("[DONE]", id=str(last_id + 1)).encode()
 
 
-def _streaming(events: AsyncIterator[Event], last_id: int = 0) -> EventSourceResponse:
-    return EventSourceResponse(_stream(events, last_id), ping=PING_SECONDS,
-                               headers={"Cache-Control": "no-store"})
+def _following(run: Run, after: int, request: Request) -> EventStream:
+    """The run's events after ``after``, then the live ones until it ends."""
+    log = run.log
+    ping = request.app.state.settings.stream_ping_seconds
+    return EventStream(_stream(log.follow_batches(after, ping), after, lambda: log.closed))
 
 
 @router.post("", summary="Start a run; its events as server-sent events",
@@ -90,7 +97,7 @@ def _streaming(events: AsyncIterator[Event], last_id: int = 0) -> EventSourceRes
              openapi_extra=request_body(json=StartRun))
 async def start_run(request: Request, tenant: str = Depends(tenant_of)) -> Response:
     run = await _runs(request).start(tenant, parse_run(await read_json_object(request)))
-    return _streaming(run.log.follow(0))
+    return _following(run, 0, request)
 
 
 @router.get("/{run_id}", summary="A run's record (the tool result shape)",
@@ -113,11 +120,11 @@ async def run_events(run_id: str, request: Request, after: int | None = Query(No
         run = runs.live(tenant, run_id)
     except UnknownRun:
         record = await runs.record(tenant, run_id)  # 404 if it never existed
-        return _streaming(_from_record(record, after), after)
-    return _streaming(run.log.follow(after), after)
+        return EventStream(_stream(_from_record(record, after), after, lambda: False))
+    return _following(run, after, request)
 
 
-async def _from_record(record: dict, after: int) -> AsyncIterator[Event]:
+async def _from_record(record: dict, after: int) -> AsyncIterator[list[Event]]:
     """A finished run whose event log is no longer kept: its start and its end."""
     run_id = record["run_id"]
     final = {key: record.get(key) for key in ("stdout", "stderr", "duration_ms")}
@@ -130,9 +137,10 @@ async def _from_record(record: dict, after: int) -> AsyncIterator[Event]:
         end = Event(2, "run.failed", {"runId": run_id, **final, "status": record["status"],
                                       "error": record.get("error") or record["status"],
                                       "container_id": record.get("container_id")})
-    for event in (Event(1, "run.created", {"runId": run_id}), end):
-        if event.id > after:
-            yield event
+    events = [event for event in (Event(1, "run.created", {"runId": run_id}), end)
+              if event.id > after]
+    if events:
+        yield events
 
 
 @router.post("/{run_id}/tool-results", summary="Answer the run's waiting tool calls",

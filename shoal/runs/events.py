@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 @dataclass(frozen=True)
 class Event:
     id: int
@@ -56,16 +61,34 @@ class EventLog:
 
     async def follow(self, after_id: int = 0) -> AsyncIterator[Event]:
         """Every event after ``after_id``, then each new one as it comes, until closed."""
+        async for batch in self.follow_batches(after_id):
+            for event in batch:
+                yield event
+
+    async def follow_batches(self, after_id: int = 0,
+                             idle: float | None = None) -> AsyncIterator[list[Event]]:
+        """The same events, each batch all that had arrived when the reader woke:
+        a stream writes a batch at once (a short run's output, its end and the
+        stream's end in one write, not one wake-up of the client each). With
+        ``idle``, an empty batch after that many quiet seconds (a stream's ping)."""
         position = max(0, after_id)
+        loop = asyncio.get_running_loop()
         while True:
-            while position < len(self._events):
-                position += 1
-                yield self._events[position - 1]
+            if position < len(self._events):
+                batch = self._events[position:]
+                position += len(batch)
+                yield batch
+                continue
             if self.closed:
                 return
-            waiter = asyncio.get_running_loop().create_future()
+            waiter = loop.create_future()
             self._waiters.add(waiter)
+            timer = loop.call_later(idle, _wake, waiter) if idle else None
             try:
                 await waiter
             finally:
                 self._waiters.discard(waiter)
+                if timer is not None:
+                    timer.cancel()
+            if position == len(self._events) and not self.closed:
+                yield []

@@ -225,6 +225,9 @@ class RunManager:
         run.emit("run.created", {"status": "running", "container_id": run.container_id})
         self._live[run.id] = run
         run.task = asyncio.create_task(self._execute(run, release_slot))
+        # Let the run take its sandbox and send its code before the caller builds
+        # and writes its response: the sandbox works while the server does.
+        await asyncio.sleep(0)
         return run
 
     # -- reading ----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from httpx_sse import connect_sse
 
 OUTPUT_CAP = 64 * 1024
 TOOL_WAIT_SECONDS = 3
+PING_SECONDS = 0.5
 
 QUERY_TOOL = {"type": "function", "name": "advanced_query", "description": "Run SQL.",
               "parameters": {"type": "object", "properties": {"sql": {"type": "string"}},
@@ -439,6 +440,49 @@ def test_a_client_that_disconnects_does_not_stop_the_run(http):
             break
         time.sleep(0.2)
     assert record["status"] == "completed" and record["stdout"] == "finished anyway\n"
+
+
+def _answered_runs_posts(http: httpx.Client) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if (line.startswith("shoal_http_requests_total{")
+                and 'route="/v1/code-execution/runs"' in line and 'method="POST"' in line):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_stream_ends_when_its_client_leaves_not_when_its_run_does(http):
+    """The server stops writing to a client that left (its request is over at
+    once), while the run goes on; a stream that lasts longer than its
+    connection would hold the server's drain until the run ended."""
+    before = _answered_runs_posts(http)
+    with run_stream(http, code="import time\ntime.sleep(60)") as source:
+        run_id = next(source.iter_sse()).json()["runId"]
+    try:
+        deadline = time.monotonic() + 30
+        while _answered_runs_posts(http) == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _answered_runs_posts(http) == before + 1
+        assert http.get(f"/v1/code-execution/runs/{run_id}").json()["status"] == "running"
+    finally:
+        http.delete(f"/v1/code-execution/runs/{run_id}")
+
+
+def test_a_quiet_stream_is_pinged(server_factory):
+    """While a run waits for a tool result, its stream sends comments (which SSE
+    clients skip) every stream_ping_seconds, so that proxies keep it open."""
+    server = server_factory(tool_wait_seconds=TOOL_WAIT_SECONDS, stream_ping_seconds=PING_SECONDS)
+    lines = []
+    with server.client() as http, http.stream("POST", "/v1/code-execution/runs", json={
+            "code": "try:\n    advanced_query(sql='x')\nexcept Exception as e:\n    print(type(e).__name__)",
+            "tools": [QUERY_TOOL], "allowed_tools": ["advanced_query"]}) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            if line == "data: [DONE]":
+                break
+    waited = lines[lines.index("event: tool_call.required"):]
+    # The call waits TOOL_WAIT_SECONDS for a result that never comes.
+    assert sum(line == ": ping" for line in waited) >= TOOL_WAIT_SECONDS, lines
+    assert "event: run.completed" in waited
 
 
 def test_concurrent_runs_do_not_wait_for_each_other(http, runs_server):
