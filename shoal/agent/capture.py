@@ -84,8 +84,11 @@ class OutputCapture:
             self._drain_locked()  # leftovers of background jobs belong to no call
             self._call = _CallState(call_id, cap)
 
-    def finish(self) -> dict[str, bool]:
-        """Forward what the call left in the pipes; returns which streams were cut."""
+    def finish(self, last: list[dict]) -> dict[str, bool]:
+        """Take what the call left in the pipes: its last frames go into ``last``,
+        for the agent to send with the call's answer (one write, one wake-up of
+        the host, which then ends the call's output and the call together).
+        Returns which streams were cut."""
         with self._lock:
             self._drain_locked()
             call, self._call = self._call, None
@@ -95,7 +98,7 @@ class OutputCapture:
             call.held[name].append(decoder.decode(b"", final=True))
             if call.truncated[name]:
                 call.held[name].append(TRUNCATION_MARKER)
-        self._release(call)
+        self._release(call, last.append)
         return call.truncated
 
     def _pump(self) -> None:
@@ -117,14 +120,15 @@ class OutputCapture:
                         and time.monotonic() - call.held_since >= COALESCE_SECONDS):
                     self._release(call)
 
-    def _release(self, call: _CallState) -> None:
+    def _release(self, call: _CallState, send: Callable[[dict], None] | None = None) -> None:
         """Send what the call holds back, one frame per stream."""
+        send = send or self._send
         for name, parts in call.held.items():
             text = "".join(parts)
             parts.clear()
             call.held_bytes[name] = 0
             if text:
-                self._send({"id": call.call_id, "type": "out", "stream": name, "data": text})
+                send({"id": call.call_id, "type": "out", "stream": name, "data": text})
         call.held_since = None
 
     def _drain_locked(self, budget: int = 2 * _PIPE_SIZE) -> None:

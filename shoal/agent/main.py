@@ -51,6 +51,8 @@ class Agent:
         self._channel = channel
         self._send_lock = threading.Lock()
         self._capture = OutputCapture(self.send)
+        # The call's last output frames, sent with its answer (OutputCapture.finish).
+        self._last_output: list[dict] = []
         self._python = PythonInterpreter()
         self._editor = TextEditor()
         self._relay = tools.ToolRelay(self.send)
@@ -97,13 +99,20 @@ class Agent:
                 self._cancelled.clear()
                 self._stop_current = lambda: None
             result.update(id=call_id, type="done")
-            try:
-                self.send(result)
-            except (FrameError, UnicodeError) as exc:
-                # An answer that cannot travel (too large, or text that is not
-                # UTF-8) must cost the call, never the agent and its state.
-                self.send({"id": call_id, "type": "done", "return_code": 1,
-                           "error": f"agent error: the call's answer could not be sent: {exc}"})
+            frames = []
+            for frame in (*self._last_output, result):
+                try:
+                    frames.append(encode(frame))
+                except (FrameError, UnicodeError) as exc:
+                    # An answer that cannot travel (too large, or text that is not
+                    # UTF-8) must cost the call, never the agent and its state.
+                    if frame is result:
+                        frames.append(encode({
+                            "id": call_id, "type": "done", "return_code": 1,
+                            "error": f"agent error: the call's answer could not be sent: {exc}"}))
+            self._last_output.clear()
+            with self._send_lock:
+                self._channel.sendall(b"".join(frames))
             if message.get("op") == "exit":
                 return
 
@@ -180,7 +189,7 @@ class Agent:
         finally:
             _exit_if_forked_copy()
             self._relay.finish()
-            truncated = self._capture.finish()
+            truncated = self._capture.finish(self._last_output)
         return {
             "return_code": return_code,
             "timed_out": timed_out,
