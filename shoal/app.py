@@ -3,6 +3,7 @@ the session manager (and through it the warm pool and the reaper)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from contextlib import asynccontextmanager
 
@@ -37,6 +38,10 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
         # redirects, so an allowed host cannot bounce a call elsewhere.
         app.state.http_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
         app.state.gateway = Gateway(settings, manager, run_manager, app.state.http_client)
+        # Everything built so far (the app, its routes, the imported libraries)
+        # lives as long as the process: out of the collector's sight, a full
+        # collection walks what requests made, not the whole heap (a 45 ms pause).
+        gc.freeze()
         if not tokens.enabled:
             log.warning("no tokens configured: every client that can reach %s:%s may run code; "
                         "set SHOAL_TOKENS to require bearer tokens", settings.host, settings.port)
