@@ -14,6 +14,7 @@ import os
 import shutil
 import struct
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -184,7 +185,15 @@ def test_two_servers_with_their_own_run_dirs_never_share_a_uid(tmp_path, securit
         for server in servers:
             with server.client() as http:
                 http.post("/sessions", json={}).raise_for_status()
-        seen = [_sandbox_uids_of(server.process.pid, range(uid(base), uid(base) + 64)) for server in servers]
+        # Each pool refills in the background (and a lease defers it): wait until
+        # each server runs a leased sandbox and a warm one.
+        deadline = time.monotonic() + 60
+        while True:
+            seen = [_sandbox_uids_of(server.process.pid, range(uid(base), uid(base) + 64))
+                    for server in servers]
+            if all(len(uids) >= 2 for uids in seen) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert len(seen[0]) >= 2 and len(seen[1]) >= 2, seen
         assert not seen[0] & seen[1], f"both servers run sandboxes as {seen[0] & seen[1]}"
     finally:
