@@ -43,8 +43,10 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
         # collection walks what requests made, not the whole heap (a 45 ms pause).
         gc.freeze()
         if not tokens.enabled:
-            log.warning("no tokens configured: every client that can reach %s:%s may run code; "
-                        "set SHOAL_TOKENS to require bearer tokens", settings.host, settings.port)
+            # The address bound (serve sets it: a port of 0 is the kernel's choice).
+            address = getattr(app.state, "url", None) or f"http://{settings.host}:{settings.port}"
+            log.warning("no tokens configured: every client that can reach %s may run code; "
+                        "set SHOAL_TOKENS to require bearer tokens", address)
         yield
         await run_manager.close()
         await manager.close()

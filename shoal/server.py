@@ -215,6 +215,7 @@ def serve(settings: Settings) -> int:
 
     url = _url_of(listener)
     app = create_app(settings)
+    app.state.url = url
     server = DrainingServer(_uvicorn_config(app, settings), app, on_started=lambda: print(
         f"shoal: serving on {url}", file=sys.stderr, flush=True))
     # A failed start here means the first sandbox could not be launched: isolation

@@ -420,7 +420,8 @@ def test_a_port_in_use_is_one_line_before_anything_serves(tmp_path):
 
 def test_the_banner_of_an_ipv6_listener_is_a_url_that_reaches_it(tmp_path):
     """``serving on`` is the URL a cluster's front ends use to reach a host: an
-    IPv6 address needs its brackets there."""
+    IPv6 address needs its brackets there. The open server's warning names the
+    same address, the port the kernel chose included, not the ``0`` asked for."""
     try:
         with socket.socket(socket.AF_INET6) as probe:
             probe.bind(("::1", 0))
@@ -433,16 +434,19 @@ def test_the_banner_of_an_ipv6_listener_is_a_url_that_reaches_it(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={"PATH": "/usr/bin:/bin"})
     try:
-        banner = ""
+        banner, lines = "", []
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not banner:
             line = process.stderr.readline()
             if not line:
                 break
+            lines.append(line)
             if line.startswith("shoal: serving on "):
                 banner = line.split("serving on ", 1)[1].strip()
         assert banner.startswith("http://[::1]:"), (banner, process.poll())
         assert httpx.get(f"{banner}/livez", timeout=10).status_code == 200
+        warning = [line for line in lines if "no tokens configured" in line]
+        assert len(warning) == 1 and f"reach {banner} may run code" in warning[0], lines
     finally:
         process.terminate()
         process.wait(30)
