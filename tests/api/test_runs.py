@@ -339,6 +339,27 @@ def test_a_lost_stream_is_replayed_from_last_event_id(http):
     assert [e.id for e in again[:2]] == [first.id, second.id]
 
 
+def test_a_finished_run_replays_from_its_record_after_a_restart(server_factory, tmp_path):
+    """Once its in-memory log is gone (here, with the server that ran it), a
+    run's stream is its start and its end, read from the stored record."""
+    data_dir = tmp_path / "data"
+    first = server_factory(data_dir=data_dir, pool_size=1)
+    with first.client() as http:
+        run_id = final(collect(http, code="print('kept')"))["runId"]
+    first.stop()
+    second = server_factory(data_dir=data_dir, pool_size=1)
+    url = f"/v1/code-execution/runs/{run_id}/events"
+    with second.client() as http:
+        with connect_sse(http, "GET", url) as source:
+            events = list(source.iter_sse())
+        with connect_sse(http, "GET", url, headers={"Last-Event-ID": "1"}) as source:
+            rest = list(source.iter_sse())
+    assert names(events) == ["run.created", "run.completed", "message"]
+    assert [e.id for e in events] == ["1", "2", "3"] and events[-1].data == "[DONE]"
+    assert final(events)["stdout"] == "kept\n" and final(events)["exit_code"] == 0
+    assert names(rest) == ["run.completed", "message"] and [e.id for e in rest] == ["2", "3"]
+
+
 # -- containers ---------------------------------------------------------------------------------
 def _upload(http: httpx.Client, name: str, data: bytes) -> str:
     response = http.post("/v1/files", files={"file": (name, data)}, data={"purpose": "user_data"})
