@@ -11,13 +11,13 @@ connection: it finishes whoever listens.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from sse_starlette import ServerSentEvent
 
-from shoal.runs import (DEFAULT_TIMEOUT_MS, LANGUAGES, MAX_TIMEOUT_MS, Event, InvalidTools,
-                        Run, RunManager, RunRequest, UnknownRun, normalise_tool)
+from shoal.runs import (DEFAULT_TIMEOUT_MS, LANGUAGES, MAX_TIMEOUT_MS, EventLog, InvalidTools,
+                        RunManager, RunRequest, UnknownRun, normalise_tool)
 
 from ._bodies import read_json_object
 from ._sse import EventStream, encode_batch
@@ -65,14 +65,15 @@ def parse_run(body: dict) -> RunRequest:
                       timeout_ms=min(timeout_ms, MAX_TIMEOUT_MS))
 
 
-async def _stream(batches: AsyncIterator[list[Event]], last_id: int,
-                  closed: Callable[[], bool]) -> AsyncIterator[bytes]:
-    """Each batch of events as one chunk; ``[DONE]`` rides with the last one."""
-    async for batch in batches:
+async def _stream(log: EventLog, after: int, ping: float) -> AsyncIterator[bytes]:
+    """The log's events after ``after``, each batch as one chunk, then the live
+    ones until it ends; ``[DONE]`` rides with the last batch."""
+    last_id = after
+    async for batch in log.follow_batches(after, ping):
         if batch:
             last_id = batch[-1].id
         chunk = encode_batch(batch)
-        if closed():
+        if log.closed:
             yield chunk + _done(last_id)
             return
         yield chunk
@@ -83,11 +84,8 @@ def _done(last_id: int) -> bytes:
     return ServerSentEvent("[DONE]", id=str(last_id + 1)).encode()
 
 
-def _following(run: Run, after: int, request: Request) -> EventStream:
-    """The run's events after ``after``, then the live ones until it ends."""
-    log = run.log
-    ping = request.app.state.settings.stream_ping_seconds
-    return EventStream(_stream(log.follow_batches(after, ping), after, lambda: log.closed))
+def _following(log: EventLog, after: int, request: Request) -> EventStream:
+    return EventStream(_stream(log, after, request.app.state.settings.stream_ping_seconds))
 
 
 @router.post("", summary="Start a run; its events as server-sent events",
@@ -97,7 +95,7 @@ def _following(run: Run, after: int, request: Request) -> EventStream:
              openapi_extra=request_body(json=StartRun))
 async def start_run(request: Request, tenant: str = Depends(tenant_of)) -> Response:
     run = await _runs(request).start(tenant, parse_run(await read_json_object(request)))
-    return _following(run, 0, request)
+    return _following(run.log, 0, request)
 
 
 @router.get("/{run_id}", summary="A run's record (the tool result shape)",
@@ -120,27 +118,27 @@ async def run_events(run_id: str, request: Request, after: int | None = Query(No
         run = runs.live(tenant, run_id)
     except UnknownRun:
         record = await runs.record(tenant, run_id)  # 404 if it never existed
-        return EventStream(_stream(_from_record(record, after), after, lambda: False))
-    return _following(run, after, request)
+        return _following(_from_record(record), after, request)
+    return _following(run.log, after, request)
 
 
-async def _from_record(record: dict, after: int) -> AsyncIterator[list[Event]]:
+def _from_record(record: dict) -> EventLog:
     """A finished run whose event log is no longer kept: its start and its end."""
     run_id = record["run_id"]
     final = {key: record.get(key) for key in ("stdout", "stderr", "duration_ms")}
+    log = EventLog()
+    log.append("run.created", {"runId": run_id})
     if record["status"] == "completed":
-        end = Event(2, "run.completed", {"runId": run_id, **final, "exit_code": record["exit_code"],
-                                         "inner_tool_calls": record["inner_tool_calls"],
-                                         "files": record["files"],
-                                         "container_id": record.get("container_id")})
+        log.append("run.completed", {"runId": run_id, **final, "exit_code": record["exit_code"],
+                                     "inner_tool_calls": record["inner_tool_calls"],
+                                     "files": record["files"],
+                                     "container_id": record.get("container_id")})
     else:
-        end = Event(2, "run.failed", {"runId": run_id, **final, "status": record["status"],
-                                      "error": record.get("error") or record["status"],
-                                      "container_id": record.get("container_id")})
-    events = [event for event in (Event(1, "run.created", {"runId": run_id}), end)
-              if event.id > after]
-    if events:
-        yield events
+        log.append("run.failed", {"runId": run_id, **final, "status": record["status"],
+                                  "error": record.get("error") or record["status"],
+                                  "container_id": record.get("container_id")})
+    log.close()
+    return log
 
 
 @router.post("/{run_id}/tool-results", summary="Answer the run's waiting tool calls",
