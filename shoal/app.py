@@ -38,6 +38,9 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
         # redirects, so an allowed host cannot bounce a call elsewhere.
         app.state.http_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
         app.state.gateway = Gateway(settings, manager, run_manager, app.state.http_client)
+        reservations = getattr(app.state, "reservations", None)
+        if reservations is not None:
+            await reservations.start()
         # Everything built so far (the app, its routes, the imported libraries)
         # lives as long as the process: out of the collector's sight, a full
         # collection walks what requests made, not the whole heap (a 45 ms pause).
@@ -48,6 +51,8 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
             log.warning("no tokens configured: every client that can reach %s may run code; "
                         "set SHOAL_TOKENS to require bearer tokens", address)
         yield
+        if reservations is not None:
+            await reservations.close()
         await run_manager.close()
         await manager.close()
         await app.state.http_client.aclose()
@@ -77,6 +82,10 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     app.add_middleware(BodyLimits, cap=settings.request_cap,
                        budget=Budget(settings.request_buffer_mib * MiB))
     app.add_middleware(observability.Edge)
+    reservations = _reservations(app, settings, manager)
+    if reservations is not None:
+        from .cluster.slots import AdoptProbes
+        app.add_middleware(AdoptProbes, reservations=reservations)
     return app
 
 
@@ -92,3 +101,25 @@ def _build_routes(app: FastAPI) -> None:
              "headers": [], "query_string": b""}
     for route in app.router.routes:
         route.matches(dict(scope))
+
+
+def _reservations(app: FastAPI, settings: Settings, manager: SessionManager):
+    """A sandbox host of a cluster keeps Ray's view of its room true
+    (shoal.cluster.slots): Ray places what is new by it."""
+    if not (settings.node_key and settings.node_id and settings.ray_address):
+        return None
+    from .cluster.host import NAMESPACE
+    from .cluster.slots import Reservations, Room
+
+    each = settings.memory_limit_mib * MiB
+
+    def room() -> Room:
+        reasons = observability.readiness(manager, app.state.draining)
+        available = observability.memory_available()
+        return Room(held=manager.live + manager.reserved, max_sessions=settings.max_sessions,
+                    blocked=any(code != "at_capacity" for code, _ in reasons),
+                    memory_room=available // each if available is not None else None)
+
+    reservations = Reservations(settings.ray_address, settings.node_id, NAMESPACE, room)
+    app.state.reservations = reservations
+    return reservations

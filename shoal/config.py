@@ -45,6 +45,10 @@ class Settings(BaseSettings):
                          "database_url and object_store; runs no sandbox itself.")
     node_key: str = Field("", description="Set by the cluster on a sandbox host: session and run "
                           "ids start with it, and the containers it holds are placed under it.")
+    node_id: str = Field("", description="Set by the cluster on a sandbox host: its Ray node, "
+                         "whose slots it reserves for what it holds (shoal.cluster.slots).")
+    ray_address: str = Field("", description="Set by the cluster on a sandbox host: the Ray "
+                             "cluster (its GCS address) that node is part of.")
     tokens: str = Field("", description="Bearer tokens: 'tok1=tenant-a,tok2=tenant-b', "
                                         "or '@/path/file' with one 'token=tenant' per line. "
                                         "Empty: no authentication.")

@@ -230,14 +230,14 @@ async def health(request: Request) -> Response:
         body.update(sessions=manager.live, max_sessions=manager.settings.max_sessions,
                     pool_ready=manager.pool.ready_count, pool_target=manager.pool.target,
                     uids_free=manager.pool.free_uids, launcher=manager.pool.launcher,
-                    memory_available_bytes=_memory_available(),
+                    memory_available_bytes=memory_available(),
                     sandbox_memory_bytes=manager.settings.memory_limit_mib * MiB)
         if reasons:
             body["details"] = [detail for _, detail in reasons]
     return _json(body)
 
 
-def _memory_available() -> int | None:
+def memory_available() -> int | None:
     """The kernel's estimate of memory a new process could use without swapping."""
     try:
         with open("/proc/meminfo", "rb") as handle:

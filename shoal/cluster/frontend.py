@@ -9,9 +9,10 @@ answer back (server-sent events included):
   gone (404); a finished run is answered by any host from its stored record.
 - a container (in the path, ``scope_id``, or a top-level ``container`` of the
   body): the host it is placed on, a row in the cluster's database. A
-  container placed on a host that is gone moves, atomically, to the host with
-  the most room, which restores it from its snapshot.
-- anything else: the host with the most room.
+  container placed nowhere yet, or on a host that is gone, goes (atomically)
+  where Ray's scheduler places it, which restores it from its snapshot.
+- a new session or run: where Ray's scheduler places it (``Membership.place``);
+- anything else (a stored record, a file): any host.
 
 Whatever the first guess, the host decides: one that is asked about a
 container another host holds answers 421 naming the holder, and the front end
@@ -44,6 +45,7 @@ from shoal.storage import open_metadata
 
 from .host import key_length
 from .membership import Host, Membership, NoHost
+from .slots import PROBE_HEADER, Probe
 
 log = logging.getLogger("shoal.cluster")
 
@@ -55,6 +57,9 @@ _CONTAINER_PATHS = (re.compile(r"^/v1/containers/([^/]+)"),
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
         "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
 _ATTEMPTS = 3
+# What starts a sandbox with no container named (a gateway's turn may run
+# code): placed by Ray, where everything else goes to any host.
+_NEW_SANDBOX = {"/sessions", "/v1/code-execution/runs", "/v1/messages", "/v1/responses"}
 
 
 def _named_container(body: dict) -> str | None:
@@ -122,52 +127,55 @@ class FrontEnd:
                 return _named_container(parsed)
         return None
 
-    async def _placed(self, tenant: str, container_id: str, holder: str | None = None) -> Host:
-        """The host holding the container; moved first if the one it was on is gone."""
+    async def _placed(self, tenant: str, container_id: str,
+                      holder: str | None = None) -> tuple[Host, Probe | None]:
+        """The host holding the container; placed by Ray first if it is on none
+        yet, or moved if the one it was on is gone."""
         if holder is None:
             holder = await self.metadata.placement(tenant, container_id)
         if holder is None:
-            return self.membership.roomiest()
+            return await self.membership.place()
         host = self.membership.alive(holder)
         if host is not None:
-            return host
+            return host, None
         if not self.membership.gone(holder):
             # Ray reports its node alive: its host is starting (or restarting) and
             # may hold the container's latest files; it does not move.
             raise NoHost("the container's sandbox host is starting; retry")
-        chosen = self.membership.roomiest()
+        chosen, probe = await self.membership.place()
         moved = await self.metadata.claim_placement(tenant, container_id, chosen.key,
                                                     replacing=holder)
         if moved != chosen.key:  # another front end moved it first
+            self.membership.handed_over(probe, adopted=False)
             host = self.membership.alive(moved)
             if host is None:
                 raise NoHost("the container's sandbox host is gone; retry")
-            return host
+            return host, None
         log.info("container %s moves from gone host %s to %s", container_id, holder, chosen.key)
-        return chosen
+        return chosen, probe
 
-    async def _target(self, request: Request, body: bytes) -> Host | Response:
+    async def _target(self, request: Request,
+                      body: bytes) -> tuple[Host, Probe | None] | Response:
         path = self._path(request)
         match = _SESSION.match(path)
         if match and path != "/sessions":
             host = self.membership.alive(match.group(1)[:key_length()])
             if host is not None:
-                return host
+                return host, None
             if request.method == "DELETE" and path == match.group(0):
                 return Response(status_code=204)  # gone with its host: as released
             return error_response(request, 404, f"no session {match.group(1)!r}")
         match = _RUN.match(path)
         if match:
             host = self.membership.alive(match.group(1)[:key_length()])
-            return host or self.membership.roomiest()  # the stored record answers
+            return host or self.membership.any(), None  # else the stored record answers
         tenant = self._tenant(request)
         container_id = self._container_of(request, body)
         if tenant is not None and container_id is not None:
             return await self._placed(tenant, container_id)
-        host = self.membership.roomiest()
-        if request.method == "POST" and path in ("/sessions", "/v1/code-execution/runs"):
-            self.membership.taken(host)
-        return host
+        if request.method == "POST" and path in _NEW_SANDBOX:
+            return await self.membership.place()
+        return self.membership.any(), None
 
     # -- forwarding ---------------------------------------------------------------------
     async def handle(self, request: Request) -> Response:
@@ -181,32 +189,48 @@ class FrontEnd:
             return error_response(request, 503, str(exc))
         if isinstance(target, Response):
             return target
+        host, probe = target
         for _ in range(_ATTEMPTS):
             try:
-                upstream = await self._send(target, request, body)
+                upstream = await self._send(host, request, body, probe)
             except httpx.TransportError:
+                if probe is not None:
+                    self.membership.handed_over(probe, adopted=False)
                 # The host stopped answering (its node going down): Ray will say so.
                 return error_response(request, 503, "the sandbox host did not answer; retry")
+            if probe is not None:
+                # The host took the probe's slot over with what it accepted, or not.
+                self.membership.handed_over(
+                    probe, adopted=upstream.headers.get(PROBE_HEADER) == "adopted")
+                probe = None
             holder = upstream.headers.get(PLACEMENT_HEADER)
             if upstream.status_code != 421 or holder is None:
                 return StreamingResponse(
                     upstream.aiter_raw(), status_code=upstream.status_code,
-                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP},
+                    headers={k: v for k, v in upstream.headers.items()
+                             if k.lower() not in _HOP and k.lower() != PROBE_HEADER},
                     background=BackgroundTask(upstream.aclose))
             await upstream.aclose()
             tenant = self._tenant(request)
             container_id = self._container_of(request, body)
             try:
                 if tenant is not None and container_id is not None:
-                    target = await self._placed(tenant, container_id, holder)
+                    host, probe = await self._placed(tenant, container_id, holder)
                 else:
-                    target = self.membership.alive(holder) or self.membership.roomiest()
+                    host = self.membership.alive(holder) or self.membership.any()
             except NoHost as exc:
                 return error_response(request, 503, str(exc))
+        if probe is not None:
+            self.membership.handed_over(probe, adopted=False)
         return error_response(request, 503, "the container's placement kept moving; retry")
 
-    async def _send(self, host: Host, request: Request, body: bytes) -> httpx.Response:
-        headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in _HOP]
+    async def _send(self, host: Host, request: Request, body: bytes,
+                    probe: Probe | None) -> httpx.Response:
+        # A client's own Shoal-Slot-Probe is never passed on: only the front end places.
+        headers = [(k, v) for k, v in request.headers.raw
+                   if k.decode().lower() not in _HOP and k.decode().lower() != PROBE_HEADER]
+        if probe is not None:
+            headers.append((PROBE_HEADER.encode(), probe.name.encode()))
         # The path as the client sent it (still percent-encoded), and its query as is.
         raw = request.scope.get("raw_path") or request.url.path.encode()
         query = request.scope.get("query_string") or b""

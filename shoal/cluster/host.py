@@ -38,6 +38,8 @@ HOST_RESOURCE = "shoal_host"
 NAMESPACE = "shoal"
 _KEY_LENGTH = 10
 _START_SECONDS = 180
+# How a server that was stopped (drained), not one that died, exits.
+_DRAINED = (0, -signal.SIGTERM, -signal.SIGINT)
 
 
 def node_key(node_id: str) -> str:
@@ -71,6 +73,10 @@ class SandboxHost:
         port = _free_port(listen)
         env = {name: value for name, value in os.environ.items() if name != "SHOAL_CLUSTER"}
         env["SHOAL_NODE_KEY"] = key
+        # Where the server reserves its node's slots (shoal.cluster.slots).
+        context = ray.get_runtime_context()
+        env["SHOAL_NODE_ID"] = context.get_node_id()
+        env["SHOAL_RAY_ADDRESS"] = context.gcs_address
         self._process = subprocess.Popen(
             [_shoal(), "serve", "--host", listen, "--port", str(port)], env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
@@ -94,6 +100,20 @@ class SandboxHost:
                 self._url = line.split("serving on ", 1)[1].strip()
                 ready.set()
         ready.set()  # the server exited
+        if self._process.wait() in _DRAINED:
+            self._close_node()
+
+    def _close_node(self) -> None:
+        """A drained node takes nothing new until it leaves the cluster: its
+        slots, which its server reserved while it drained and gave back as it
+        stopped, are held from here, by this actor (Ray drops them with it)."""
+        from .slots import SLOT_RESOURCE, close_node
+
+        node_id = ray.get_runtime_context().get_node_id()
+        mine = next((n for n in ray.nodes() if n["NodeID"] == node_id), {})
+        total = int(mine.get("Resources", {}).get(SLOT_RESOURCE, 0))
+        if total:
+            self._closed = close_node(node_id, total)
 
     def url(self) -> str:
         self.state()
@@ -107,7 +127,7 @@ class SandboxHost:
         code = self._process.poll()
         if code is None:
             return "serving"
-        if code in (0, -signal.SIGTERM, -signal.SIGINT):
+        if code in _DRAINED:
             return "drained"
         ray.actor.exit_actor()
         return "gone"

@@ -8,9 +8,11 @@ end keeps this view, refreshed every second; two front ends starting the same
 node's host get the same actor (it is named by the node, and there is one
 ``shoal_host`` unit per node to hold).
 
-How much room each host has is its own ``/health`` (sessions held against
-its limit, and its available memory against a sandbox's memory limit), polled
-on the same cadence: the front end's only input to placing something new.
+Where something new goes is Ray's choice (``place``): its scheduler reserves
+a ``shoal_slot`` on a node whose host left one unreserved (shoal.cluster.slots).
+Each host's ``/health``, polled on the same cadence, says whether it serves
+and takes new work; a host that stops answering is asked, through Ray, what
+became of it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .host import HOST_RESOURCE, NAMESPACE, SandboxHost, node_key
+from .slots import SLOT_RESOURCE, Probe, Probes
 
 log = logging.getLogger("shoal.cluster")
 REFRESH_SECONDS = 1.0
@@ -32,6 +35,10 @@ REFRESH_SECONDS = 1.0
 # (through Ray) what became of it.
 _SILENT_POLLS = 3
 _HOST_START_SECONDS = 180
+# How long a new sandbox waits for Ray to find a slot before its 503, and how
+# many nodes it tries whose host turns out not to take it.
+PLACE_SECONDS = 1.0
+_PLACE_ATTEMPTS = 3
 
 
 class NoHost(RuntimeError):
@@ -45,15 +52,8 @@ class Host:
     url: str
     actor: object = None
     free: int = 0  # session slots not taken, by the host's last /health
-    # Sandboxes its available memory has room for (None: it did not say).
-    memory_room: int | None = None
     healthy: bool = True  # takes new sessions and containers (its /health says ok)
     silent: int = 0  # polls in a row its /health did not answer
-
-
-def room(host: Host) -> int:
-    """How many more sandboxes ``host`` can take, by its last /health."""
-    return host.free if host.memory_room is None else min(host.free, host.memory_room)
 
 
 class Membership:
@@ -65,6 +65,8 @@ class Membership:
         self._nodes: set[str] = set()  # host keys of the nodes Ray last reported alive
         self._starting: dict[str, asyncio.Task] = {}
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False)
+        self._probes = Probes()
+        self._slotless: set[str] = set()  # nodes warned about: a host, but no slots
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -85,6 +87,7 @@ class Membership:
         for task in self._starting.values():
             task.cancel()
         await self._client.aclose()
+        await asyncio.to_thread(self._probes.close)
         await asyncio.to_thread(ray.shutdown)
 
     def alive(self, key: str) -> Host | None:
@@ -97,26 +100,44 @@ class Membership:
         is not gone."""
         return key not in self._nodes or key in self._drained
 
-    def roomiest(self, exclude: set[str] = frozenset()) -> Host:
-        """The host with room for the most new sandboxes (ties at random): its
-        free session slots, or fewer if its available memory holds fewer
-        sandboxes at their memory limit. (A host short of disk for one more
-        sandbox says so in its /health, and takes nothing new.)"""
-        candidates = [h for h in self.hosts.values() if h.healthy and h.key not in exclude]
+    def any(self) -> Host:
+        """A host for what any host answers (a stored record, a file): no room taken."""
+        candidates = [h for h in self.hosts.values() if h.healthy] or list(self.hosts.values())
         if not candidates:
             raise NoHost("no sandbox host is up; retry later")
-        # Room first; between hosts whose memory caps them alike, the one holding
-        # fewer sessions (the spread the slots alone would give).
-        best = max((room(h), h.free) for h in candidates)
-        if best[0] <= 0:
-            raise NoHost("every sandbox host is full (its sessions or its memory); retry later")
-        return random.choice([h for h in candidates if (room(h), h.free) == best])
+        return random.choice(candidates)
 
-    def taken(self, host: Host) -> None:
-        """A session or run was just placed there: counted until the next poll."""
-        host.free -= 1
-        if host.memory_room is not None:
-            host.memory_room -= 1
+    async def place(self) -> tuple[Host, Probe]:
+        """The host Ray's scheduler chose for one new sandbox: the node it reserved
+        a ``shoal_slot`` on, among those whose hosts left slots unreserved
+        (shoal.cluster.slots), with the probe holding that slot. The caller hands
+        the probe to the host with the request (``handed_over``) or gives it back."""
+        missed: list[Probe] = []
+        try:
+            for _ in range(_PLACE_ATTEMPTS):
+                probe = await self._probes.probe(PLACE_SECONDS)
+                if probe is None:
+                    raise NoHost("every sandbox host is full (its sessions, its memory, or "
+                                 "it takes nothing new); retry later")
+                host = self.hosts.get(node_key(probe.node_id))
+                # Whether it has room is Ray's to know (the host's reservations
+                # say); passed over is only a host that does not serve or answer,
+                # its slot held meanwhile so that Ray looks elsewhere.
+                if host is not None and not host.silent:
+                    return host, probe
+                missed.append(probe)
+            raise NoHost("the sandbox hosts with room are not ready; retry later")
+        finally:
+            for probe in missed:
+                self._probes.give_back(probe)
+
+    def handed_over(self, probe: Probe, adopted: bool) -> None:
+        """The request the probe placed was answered: adopted by its host, or not
+        (refused, or it failed), and given back."""
+        if adopted:
+            self._probes.handed_over(probe)
+        else:
+            self._probes.give_back(probe)
 
     async def _forever(self) -> None:
         while True:
@@ -131,6 +152,14 @@ class Membership:
         alive = {node_key(n["NodeID"]): n["NodeID"] for n in nodes
                  if n.get("Alive") and n.get("Resources", {}).get(HOST_RESOURCE, 0) >= 1}
         self._nodes = set(alive)
+        slots = {node_key(n["NodeID"]): int(n["Resources"].get(SLOT_RESOURCE, 0)) for n in nodes
+                 if node_key(n["NodeID"]) in alive}
+        for key in alive:
+            if not slots[key] and key not in self._slotless:
+                self._slotless.add(key)
+                log.warning("node %s offers %s but no %s: Ray places nothing new on it (give "
+                            "it --resources '{\"%s\": 1, \"%s\": N}')", alive[key],
+                            HOST_RESOURCE, SLOT_RESOURCE, HOST_RESOURCE, SLOT_RESOURCE)
         gone = set(self.hosts) - set(alive)
         for key in gone:
             log.warning("sandbox host %s is gone (its node left the cluster)", key)
@@ -144,6 +173,9 @@ class Membership:
         await asyncio.gather(*(self._poll(host) for host in list(self.hosts.values())))
         for host in [h for h in self.hosts.values() if h.silent >= _SILENT_POLLS]:
             await self._ask(host)
+        # A node whose host does not serve reserves nothing itself: closed here.
+        await self._probes.close_nodes({node_id: slots[key] for key, node_id in alive.items()
+                                        if key not in self.hosts and slots[key]})
 
     async def _start_host(self, key: str, node_id: str) -> None:
         try:
@@ -167,10 +199,6 @@ class Membership:
         try:
             body = (await self._client.get(f"{host.url}/health", headers=self._headers)).json()
             host.free = int(body["max_sessions"]) - int(body["sessions"])
-            available, each = body.get("memory_available_bytes"), body.get("sandbox_memory_bytes")
-            host.memory_room = (int(available) // int(each)
-                                if isinstance(available, int) and isinstance(each, int) and each > 0
-                                else None)
             # Degraded (draining, full, no uids): still serves what it holds, takes nothing new.
             host.healthy = body.get("status") == "ok"
             host.silent = 0

@@ -205,7 +205,8 @@ class RayCluster:
             if launcher():
                 env["SHOAL_LAUNCHER"] = launcher()
             argv = [ray, "start", "--num-cpus", "1", "--disable-usage-stats",
-                    "--resources", json.dumps({"shoal_host": 1, f"node{index}": 1}),
+                    "--resources", json.dumps({"shoal_host": 1, "shoal_slot": 6,
+                                                f"node{index}": 1}),
                     "--dashboard-agent-listen-port", str(free_port()),
                     "--metrics-export-port", str(free_port()),
                     "--runtime-env-agent-port", str(free_port())]

@@ -1,57 +1,178 @@
-"""Where a front end places something new: the host with room for the most
-sandboxes, by its sessions and by its memory (its /health's figures).
+"""Placement is Ray's: its scheduler reserves a ``shoal_slot`` where a host left
+one unreserved, and each host reserves what it cannot offer.
 
-These run the front end's own placement on hosts as their /health described
-them; no Ray is needed to choose between hosts already known.
+On a real Ray cluster of three nodes (``ray.cluster_utils.Cluster``): two
+sandbox nodes of three slots each, and a head that offers none. The hosts'
+side (``Reservations``) is driven with the room a host would report; the
+front end's side (``Probes``) asks Ray where new sandboxes go.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import time
+
 import pytest
 
-from shoal.cluster.membership import Host, Membership, NoHost
+from shoal.cluster.slots import SLOT_RESOURCE, Probes, Reservations, Room, reserved_slots
 
-GiB = 1 << 30
-
-
-def _membership(*hosts: Host) -> Membership:
-    membership = Membership("auto")
-    membership.hosts = {host.key: host for host in hosts}
-    return membership
+pytestmark = pytest.mark.cluster
 
 
-@pytest.mark.parametrize("other, roomier", [
-    # Short of memory: passed over for a host with fewer free slots.
-    ((40, 1), (10, 30)),
-    # Memory plentiful, or not reported: the free slots decide.
-    ((2, 500), (30, None)),
-    # Memory caps both alike (a 24 GiB host holds 23 sandboxes at 1 GiB): the
-    # one with fewer sessions still gets the next.
-    ((40, 23), (60, 23)),
-], ids=["memory-short", "slots-decide", "memory-caps-alike"])
-def test_the_host_with_the_most_room_gets_the_next_sandbox(other, roomier):
-    """(free slots, memory room) of two hosts: the roomier one is chosen every time."""
-    membership = _membership(
-        Host("n1", "node-1", "http://a", free=other[0], memory_room=other[1]),
-        Host("n2", "node-2", "http://b", free=roomier[0], memory_room=roomier[1]))
-    assert {membership.roomiest().key for _ in range(20)} == {"n2"}
+@pytest.mark.parametrize("total, room, reserved", [
+    (6, Room(held=0, max_sessions=6, blocked=False, memory_room=None), 0),
+    (6, Room(held=2, max_sessions=6, blocked=False, memory_room=40), 2),
+    # Memory for one more sandbox only: the rest of the free slots reserved too.
+    (6, Room(held=2, max_sessions=6, blocked=False, memory_room=1), 5),
+    (6, Room(held=2, max_sessions=6, blocked=False, memory_room=0), 6),
+    # Draining, disk low, no uids: nothing new, every slot reserved.
+    (6, Room(held=1, max_sessions=6, blocked=True, memory_room=40), 6),
+    # The node offers more slots than the host's own limit: the excess is never offered.
+    (10, Room(held=1, max_sessions=6, blocked=False, memory_room=None), 5),
+    # Holding more than the node offers (its limit set higher): never more than all.
+    (4, Room(held=6, max_sessions=8, blocked=False, memory_room=None), 4),
+], ids=["idle", "holding", "memory-short", "no-memory", "blocked", "limit-below-slots",
+        "over-slots"])
+def test_a_host_reserves_every_slot_it_cannot_offer(total, room, reserved):
+    assert reserved_slots(total, room) == reserved
 
 
-def test_a_host_with_slots_but_no_memory_for_a_sandbox_takes_nothing():
-    full = Host("n1", "node-1", "http://a", free=20, memory_room=0)
-    with pytest.raises(NoHost, match="memory"):
-        _membership(full).roomiest()
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster()
+    cluster.add_node(num_cpus=0)
+    nodes = [cluster.add_node(num_cpus=0, resources={SLOT_RESOURCE: 3, "shoal_host": 1})
+             for _ in range(2)]
+    ray.init(address=cluster.address, namespace="shoal-test", logging_level="error",
+             log_to_driver=False)
+    try:
+        yield [node.node_id for node in nodes]
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
-def test_placing_counts_down_until_the_next_poll():
-    first = Host("n1", "node-1", "http://a", free=5, memory_room=2)
-    second = Host("n2", "node-2", "http://b", free=5, memory_room=1)
-    membership = _membership(first, second)
-    chosen = []
-    for _ in range(3):
-        chosen.append(membership.roomiest())
-        membership.taken(chosen[-1])
-    # Room for 2 and 1: three sandboxes fit, n1's two first, and a fourth does not.
-    assert [h.key for h in chosen[:1]] == ["n1"] and [h.key for h in chosen].count("n1") == 2
-    with pytest.raises(NoHost):
-        membership.roomiest()
+def _free() -> int:
+    import ray
+
+    return int(ray.available_resources().get(SLOT_RESOURCE, 0))
+
+
+async def _until(predicate, what: str, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def _placed(probes: Probes, count: int) -> list[str]:
+    """Where Ray reserves ``count`` slots, one probe each; then given back."""
+    found = [await probes.probe(2.0) for _ in range(count)]
+    for probe in found:
+        probes.give_back(probe)
+    return [probe.node_id for probe in found]
+
+
+def test_ray_places_each_sandbox_on_a_node_whose_host_left_a_slot(ray_cluster):
+    first, second = ray_cluster
+
+    async def scenario() -> None:
+        room = {"held": 0, "blocked": False, "memory_room": None}
+        reservations = Reservations("", first, "shoal-test",
+                                    lambda: Room(max_sessions=3, **room))
+        probes = Probes()
+        await reservations.start()
+        try:
+            assert reservations.total == 3 and reservations.reserved == 0
+
+            # The first host holds three sandboxes (its limit): every new one goes
+            # to the second, and once both are full Ray finds nothing (a 503).
+            room["held"] = 3
+            await _until(lambda: _free() == 3, "the first node's slots reserved")
+            held = [await probes.probe(2.0) for _ in range(3)]
+            assert [probe.node_id for probe in held] == [second] * 3
+            assert await probes.probe(0.3) is None
+            for probe in held:
+                probes.give_back(probe)
+
+            # Its memory backs one more sandbox, no more: one of the next goes there.
+            room.update(held=0, memory_room=1)
+            await _until(lambda: _free() == 4, "two of the first node's slots reserved")
+            held = [await probes.probe(2.0) for _ in range(4)]
+            assert collections.Counter(p.node_id for p in held) == {first: 1, second: 3}
+            for probe in held:
+                probes.give_back(probe)
+
+            # Draining: nothing new goes there however empty it is.
+            room.update(held=0, memory_room=None, blocked=True)
+            await _until(lambda: _free() == 3, "every slot of the draining node reserved")
+            assert set(await _placed(probes, 3)) == {second}
+
+            # A node whose host does not serve: a front end holds all its slots.
+            room.update(blocked=False)
+            await _until(lambda: _free() == 6, "the first node open again")
+            await probes.close_nodes({first: 3})
+            await _until(lambda: _free() == 3, "the node closed by the front end")
+            assert set(await _placed(probes, 3)) == {second}
+            await probes.close_nodes({})
+            await _until(lambda: _free() == 6, "the node opened again")
+        finally:
+            await reservations.close()
+            await asyncio.to_thread(probes.close)
+        # Nothing outlives its owner: every slot free again.
+        await _until(lambda: _free() == 6, "every reservation given back")
+
+    asyncio.run(scenario())
+
+
+def test_a_host_adopts_the_probe_that_brought_a_sandbox_and_gives_it_back_after(ray_cluster):
+    first, second = ray_cluster
+
+    async def scenario() -> None:
+        room = {"held": 0}
+        reservations = Reservations("", first, "shoal-test",
+                                    lambda: Room(max_sessions=3, blocked=False, memory_room=None,
+                                                 **room))
+        probes = Probes()
+        await reservations.start()
+        try:
+            # The second node full, so Ray reserves the probe on the first.
+            await probes.close_nodes({second: 3})
+            await _until(lambda: _free() == 3, "the second node closed")
+            probe = await probes.probe(2.0)
+            assert probe.node_id == first
+            # The host accepted what it brought: the probe is its reservation now,
+            # neither given back nor doubled by one of its own.
+            room["held"] = 1
+            reservations.adopt(probe.name)
+            probes.handed_over(probe)
+            await asyncio.sleep(0.5)  # a few ticks
+            assert _free() == 2 and reservations.reserved == 1
+            # The sandbox released: the host gives the probe back.
+            room["held"] = 0
+            await _until(lambda: _free() == 3, "the adopted probe given back")
+            assert reservations.reserved == 0
+
+            # A probe on another node is no slot of this host's: not adopted.
+            await probes.close_nodes({first: 3})
+            await _until(lambda: _free() == 3, "the first node closed")
+            elsewhere = await probes.probe(2.0)
+            assert elsewhere.node_id == second
+            reservations.adopt(elsewhere.name)
+            await asyncio.sleep(0.5)
+            assert reservations.reserved == 0 and _free() == 2
+            probes.give_back(elsewhere)
+            await probes.close_nodes({})
+            # A name that is no probe is ignored.
+            reservations.adopt("shoal-slots-not-a-probe")
+            assert reservations.reserved == 0
+        finally:
+            await reservations.close()
+            await asyncio.to_thread(probes.close)
+        await _until(lambda: _free() == 6, "every reservation given back")
+
+    asyncio.run(scenario())

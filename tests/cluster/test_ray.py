@@ -83,8 +83,16 @@ def test_sessions_spread_over_the_nodes_and_every_call_reaches_its_node(cluster)
     front = cluster.front_end("front")
     with front.client() as http:
         sessions = [http.post("/sessions", json={}).json()["session_id"] for _ in range(3)]
-        # Placed where there is most room: one on each node.
+        # Ray's scheduler placed them where most slots were free: one on each node.
         assert len({_host_of(s) for s in sessions}) == 3, sessions
+        # And Ray's view of the room is the hosts': each holds one of its six slots
+        # (the probe that placed it, adopted: never given back and taken again).
+        _free_slots_become(cluster, 3 * 6 - 3)
+        # Only a front end places: a client's own probe header goes nowhere.
+        forged = http.post("/sessions", json={}, headers={"Shoal-Slot-Probe": "shoal-probe-x"})
+        assert forged.status_code == 201 and "shoal-slot-probe" not in forged.headers
+        assert http.delete(f"/sessions/{forged.json()['session_id']}").status_code == 204
+        _free_slots_become(cluster, 3 * 6 - 3)
         for index, session in enumerate(sessions):
             _exec(http, session, f"n = {index}")
         # State stays on each session's node: every call found its interpreter.
@@ -231,6 +239,8 @@ def test_a_drained_host_finishes_its_calls_then_its_containers_move(cluster):
         while http.get("/health").json()["hosts"] != 2:
             assert time.monotonic() < deadline, front.log()
             time.sleep(0.5)
+        # Ray sees the drained node full: only the other two nodes' slots are free.
+        _free_slots_become(cluster, 2 * 6)
         # Drained: nothing new goes there, its session is gone, and the container
         # moves with everything the last call wrote (snapshotted as the host stopped).
         moved = http.post("/sessions", json={"container": container})
@@ -244,6 +254,20 @@ def test_a_drained_host_finishes_its_calls_then_its_containers_move(cluster):
             "tool": "code_execution", "input": {"code": "1"}}).status_code == 404
         fresh = [http.post("/sessions", json={}).json()["session_id"] for _ in range(4)]
         assert node not in {_host_of(s) for s in fresh}
+
+
+def _free_slots_become(cluster, expected: int, seconds: float = 30) -> None:
+    """Wait until Ray counts ``expected`` unreserved ``shoal_slot`` units."""
+    import ray
+
+    ray.init(address=cluster.address, logging_level="error", log_to_driver=False)
+    try:
+        deadline = time.monotonic() + seconds
+        while (free := int(ray.available_resources().get("shoal_slot", 0))) != expected:
+            assert time.monotonic() < deadline, f"{free} shoal_slot free, not {expected}"
+            time.sleep(0.2)
+    finally:
+        ray.shutdown()
 
 
 def _ray_nodes(cluster) -> dict[str, int]:

@@ -1,0 +1,282 @@
+"""A sandbox host's room, as Ray's scheduler sees it.
+
+Ray places everything new (a session, a run, a container no host holds): a
+front end asks Ray for one ``shoal_slot`` (a placement group of one bundle, a
+*probe*) and sends the request to the host of the node Ray reserved it on.
+Every node offers as many ``shoal_slot`` units as sandboxes it may hold
+(``ray start --resources '{"shoal_host": 1, "shoal_slot": N}'``); for Ray's
+choice to follow free capacity, the units no one has reserved must be the
+sandboxes the node's host can still take. This module keeps them so: a host
+reserves, in placement groups on its own node (``Reservations``), the slots it
+cannot offer:
+
+- one per sandbox it holds (sessions and runs);
+- when its memory is short, those its available memory cannot back at a
+  sandbox's memory limit;
+- all of them while it takes nothing new (draining, disk low, no uids free).
+
+The probe that brought a request the host accepted becomes one of them: the
+host *adopts* it (``AdoptProbes``, answering ``Shoal-Slot-Probe: adopted``), so
+the slot is reserved without a gap from the moment Ray chose it, and never
+twice. The host converges on its figure every tenth of a second, giving back
+first what it adopted.
+
+Nothing here outlives its owner: a host's own reservations belong to its
+server's Ray job and a probe to its front end's, and Ray drops a job's
+placement groups when the job ends (the process exits or its node dies); a
+host notices, within seconds, an adopted probe that went with its front end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+from ray.util import get_placement_group
+from ray.util.placement_group import (PlacementGroup, placement_group, placement_group_table,
+                                      remove_placement_group)
+
+log = logging.getLogger("shoal.cluster")
+
+SLOT_RESOURCE = "shoal_slot"
+PROBE_HEADER = "shoal-slot-probe"
+_PROBE_PREFIX = "shoal-probe-"
+_TICK_SECONDS = 0.1
+# How often a host checks that what it adopted still exists (a probe goes
+# with the front end that asked for it).
+_AUDIT_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class Room:
+    """What a host can take now, by its own figures."""
+    held: int  # sandboxes it holds (sessions, runs and leases starting)
+    max_sessions: int
+    blocked: bool  # takes nothing new (draining, disk low, no uids)
+    memory_room: int | None  # sandboxes its available memory backs (None: unknown)
+
+
+def reserved_slots(total: int, room: Room) -> int:
+    """How many of the node's ``total`` slots its host keeps reserved: all but
+    the sandboxes it can still take."""
+    free = 0 if room.blocked else max(0, min(total, room.max_sessions) - room.held)
+    if room.memory_room is not None:
+        free = min(free, max(0, room.memory_room))
+    return total - free
+
+
+class Reservations:
+    """The host's reservations of its own node's slots, kept at ``reserved_slots``."""
+
+    def __init__(self, address: str, node_id: str, namespace: str,
+                 room: Callable[[], Room]) -> None:
+        self._address, self._node_id, self._namespace = address, node_id, namespace
+        self._room = room
+        self.total = 0
+        # (group, slots, adopted), oldest first; touched by the converging thread only.
+        self._held: list[tuple[PlacementGroup, int, bool]] = []
+        self._adopting: deque[str] = deque()  # probes' names, appended by requests
+        self._task: asyncio.Task | None = None
+        self._connected = False
+        self._names = itertools.count()  # what `ray list placement-groups` shows
+        self._audited = time.monotonic()
+
+    @property
+    def reserved(self) -> int:
+        return sum(size for _, size, _ in self._held) + len(self._adopting)
+
+    def adopt(self, name: str) -> None:
+        """A request placed here by the probe ``name`` was accepted: the probe
+        now stands for what it brought."""
+        if name.startswith(_PROBE_PREFIX):
+            self._adopting.append(name)
+
+    async def start(self) -> None:
+        self._connected = not ray.is_initialized()
+        if self._connected:
+            await asyncio.to_thread(ray.init, address=self._address, namespace=self._namespace,
+                                    logging_level=logging.WARNING, log_to_driver=False)
+            for name, logger in logging.Logger.manager.loggerDict.items():
+                if name.startswith(("shoal", "uvicorn")) and isinstance(logger, logging.Logger):
+                    logger.disabled = False  # Ray's dictConfig disabled them
+        nodes = await asyncio.to_thread(ray.nodes)
+        mine = next((n for n in nodes if n["NodeID"] == self._node_id), None)
+        self.total = int((mine or {}).get("Resources", {}).get(SLOT_RESOURCE, 0))
+        if not self.total:
+            log.warning("this node offers no %s: Ray places nothing new here. Start it with "
+                        "ray start --resources '{\"shoal_host\": 1, \"%s\": N}' (N: the "
+                        "sandboxes it may hold, its max_sessions)", SLOT_RESOURCE, SLOT_RESOURCE)
+        self._task = asyncio.create_task(self._forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        # Ending the job would drop its own; given back now, no placement waits
+        # for that (and the adopted ones are not its own).
+        await asyncio.to_thread(self._converge, 0)
+        if self._connected:
+            await asyncio.to_thread(ray.shutdown)
+
+    async def _forever(self) -> None:
+        while True:
+            try:
+                if self.total:
+                    await self.converge()
+            except Exception:  # noqa: BLE001 - the next tick tries again
+                log.exception("could not keep this host's slot reservations")
+            await asyncio.sleep(_TICK_SECONDS)
+
+    async def converge(self) -> None:
+        wanted = reserved_slots(self.total, self._room())
+        audit = time.monotonic() - self._audited > _AUDIT_SECONDS
+        if wanted != self.reserved or self._adopting or audit:
+            await asyncio.to_thread(self._converge, wanted, audit)
+
+    def _converge(self, wanted: int, audit: bool = False) -> None:
+        while self._adopting:
+            self._take(self._adopting.popleft())
+        if audit:
+            self._audited = time.monotonic()
+            self._held = [entry for entry in self._held
+                          if not entry[2] or _state(entry[0]) != "REMOVED"]
+        # Fewer: what was adopted goes first (a probe each), then the newest.
+        # More: one group for the difference, on this node; one Ray cannot
+        # place yet waits in its queue until the slots are free.
+        while self._held and self.reserved > wanted:
+            adopted = [i for i, entry in enumerate(self._held) if entry[2]]
+            group, _, _ = self._held.pop(adopted[-1] if adopted else -1)
+            remove_placement_group(group)
+        if self.reserved < wanted:
+            size = wanted - self.reserved
+            group = placement_group(
+                [{SLOT_RESOURCE: size}], name=f"shoal-slots-{self._node_id[:12]}-{next(self._names)}",
+                bundle_label_selector=[{"ray.io/node-id": self._node_id}])
+            self._held.append((group, size, False))
+
+    def _take(self, name: str) -> None:
+        """Hold the probe ``name`` if it is one, reserved on this node."""
+        try:
+            group = get_placement_group(name)
+            table = placement_group_table(group)
+        except Exception:  # noqa: BLE001 - gone already (its front end with it)
+            return
+        if table.get("bundles_to_node_id", {}).get(0) == self._node_id:
+            self._held.append((group, 1, True))
+
+
+def _state(group: PlacementGroup) -> str:
+    try:
+        return placement_group_table(group).get("state", "REMOVED")
+    except Exception:  # noqa: BLE001
+        return "REMOVED"
+
+
+class AdoptProbes:
+    """ASGI middleware of a cluster's sandbox host: a request that came with a
+    probe (``Shoal-Slot-Probe``, set by the front end) and was accepted hands
+    the probe to the host's reservations, and says so to the front end."""
+
+    def __init__(self, app, reservations: Reservations) -> None:
+        self.app, self.reservations = app, reservations
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        name = next((v.decode("latin-1") for k, v in scope["headers"]
+                     if k == PROBE_HEADER.encode()), None)
+        if name is None:
+            return await self.app(scope, receive, send)
+
+        async def adopting(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] < 400:
+                self.reservations.adopt(name)
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (PROBE_HEADER.encode(), b"adopted")]}
+            await send(message)
+
+        await self.app(scope, receive, adopting)
+
+
+class Probes:
+    """A front end's reservations: its probes, asked for on threads of their own
+    (Ray's calls block, a full cluster's for the whole wait), each given back
+    unless the host it brought a request to adopted it; and every slot of a
+    node whose host does not serve (starting, drained), which no host of its
+    own reserves, so that Ray places nothing there meanwhile."""
+
+    def __init__(self) -> None:
+        # A wait per placement in flight: as many as a burst of creates.
+        self._threads = ThreadPoolExecutor(max_workers=64, thread_name_prefix="shoal-probe")
+        self._held: set[PlacementGroup] = set()
+        self._closed: dict[str, PlacementGroup] = {}  # node id: all its slots, held
+
+    async def probe(self, timeout: float) -> Probe | None:
+        """One slot Ray reserved (where, and the probe that holds it), or None
+        if Ray found no free slot in time."""
+        probe = await asyncio.get_running_loop().run_in_executor(self._threads, _probe, timeout)
+        if probe.node_id is None:
+            self.give_back(probe)
+            return None
+        self._held.add(probe.group)
+        return probe
+
+    def handed_over(self, probe: Probe) -> None:
+        """Its host adopted it: the host gives it back."""
+        self._held.discard(probe.group)
+
+    def give_back(self, probe: Probe) -> None:
+        self._held.discard(probe.group)
+        self._threads.submit(remove_placement_group, probe.group)
+
+    async def close_nodes(self, nodes: dict[str, int]) -> None:
+        """Hold every slot of these nodes (node id: its slots); open the nodes
+        held before and not given now."""
+        if nodes.keys() != self._closed.keys():
+            await asyncio.get_running_loop().run_in_executor(self._threads, self._close_nodes,
+                                                             dict(nodes))
+
+    def _close_nodes(self, nodes: dict[str, int]) -> None:
+        for node_id in [n for n in self._closed if n not in nodes]:
+            remove_placement_group(self._closed.pop(node_id))
+        for node_id, total in nodes.items():
+            if node_id not in self._closed:
+                self._closed[node_id] = close_node(node_id, total)
+
+    def close(self) -> None:
+        for group in list(self._held):
+            self._threads.submit(remove_placement_group, group)
+        self._held.clear()
+        self._close_nodes({})
+        self._threads.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    group: PlacementGroup
+    node_id: str | None  # where Ray reserved it; None: nowhere in time
+
+
+def _probe(timeout: float) -> Probe:
+    name = _PROBE_PREFIX + secrets.token_hex(8)
+    group = placement_group([{SLOT_RESOURCE: 1}], name=name)
+    # The GCS's own wait: nothing runs in the group (ready() would start a worker there).
+    if not group.wait(timeout):
+        return Probe(name, group, None)
+    return Probe(name, group, placement_group_table(group)["bundles_to_node_id"][0])
+
+
+def close_node(node_id: str, total: int) -> PlacementGroup:
+    """Hold all ``total`` slots of the node, so that Ray places nothing there
+    (placed once they are free: a probe or a reservation there given back)."""
+    return placement_group([{SLOT_RESOURCE: total}], name=f"shoal-closed-{node_id[:12]}-{secrets.token_hex(3)}",
+                           bundle_label_selector=[{"ray.io/node-id": node_id}])
