@@ -127,12 +127,18 @@ class Reservations:
             await asyncio.to_thread(ray.shutdown)
 
     async def _forever(self) -> None:
+        failing = False
         while True:
             try:
                 if self.total:
                     await self.converge()
+                if failing:
+                    log.info("this host's slot reservations are kept again")
+                failing = False
             except Exception:  # noqa: BLE001 - the next tick tries again
-                log.exception("could not keep this host's slot reservations")
+                if not failing:  # once a streak, not ten times a second
+                    log.exception("could not keep this host's slot reservations; retrying")
+                failing = True
             await asyncio.sleep(_TICK_SECONDS)
 
     async def converge(self) -> None:
