@@ -23,8 +23,11 @@ first what it adopted.
 
 Nothing here outlives its owner: a host's own reservations belong to its
 server's Ray job and a probe to its front end's, and Ray drops a job's
-placement groups when the job ends (the process exits or its node dies); a
-host notices, within seconds, an adopted probe that went with its front end.
+placement groups when the job ends (the process exits or its node dies). A
+host notices, within seconds, an adopted probe that went with its front end;
+and it gives back a probe on its node that it never adopted and that is
+seconds old (Ray moves a dead node's placement groups to live nodes, the
+probes its host had adopted among them, whose front ends live on).
 """
 
 from __future__ import annotations
@@ -51,8 +54,13 @@ PROBE_HEADER = "shoal-slot-probe"
 _PROBE_PREFIX = "shoal-probe-"
 _TICK_SECONDS = 0.1
 # How often a host checks that what it adopted still exists (a probe goes
-# with the front end that asked for it).
+# with the front end that asked for it), and sweeps its node of strays.
 _AUDIT_SECONDS = 5.0
+# A probe on a host's node this old that it did not adopt is a stray: one a
+# dead host had adopted, which Ray moved here with its node's death, or one
+# whose request never answered. Its slot is the host's to count (converging
+# makes up for a probe swept from under a request still under way).
+_STRAY_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,7 @@ class Reservations:
             self._audited = time.monotonic()
             self._held = [entry for entry in self._held
                           if not entry[2] or _state(entry[0]) != "REMOVED"]
+            self._sweep()
         # Fewer: what was adopted goes first (a probe each), then the newest.
         # More: one group for the difference, on this node; one Ray cannot
         # place yet waits in its queue until the slots are free.
@@ -168,6 +177,18 @@ class Reservations:
                 bundle_label_selector=[{"ray.io/node-id": self._node_id}])
             self._held.append((group, size, False))
 
+    def _sweep(self) -> None:
+        adopted = {group.id.hex() for group, _, taken in self._held if taken}
+        now = time.time()
+        for entry in placement_group_table().values():
+            name = entry.get("name") or ""
+            if (name.startswith(_PROBE_PREFIX) and entry.get("state") == "CREATED"
+                    and entry.get("bundles_to_node_id", {}).get(0) == self._node_id
+                    and entry.get("placement_group_id") not in adopted
+                    and now - _probe_time(name) > _STRAY_SECONDS):
+                log.info("giving back a stray probe on this node: %s", name)
+                remove_placement_group(get_placement_group(name))
+
     def _take(self, name: str) -> None:
         """Hold the probe ``name`` if it is one, reserved on this node."""
         try:
@@ -177,6 +198,14 @@ class Reservations:
             return
         if table.get("bundles_to_node_id", {}).get(0) == self._node_id:
             self._held.append((group, 1, True))
+
+
+def _probe_time(name: str) -> float:
+    """When the probe ``name`` was asked for (its name says, in milliseconds)."""
+    try:
+        return int(name[len(_PROBE_PREFIX):].split("-", 1)[0]) / 1000
+    except ValueError:
+        return 0.0
 
 
 def _state(group: PlacementGroup) -> str:
@@ -273,7 +302,7 @@ class Probe:
 
 
 def _probe(timeout: float) -> Probe:
-    name = _PROBE_PREFIX + secrets.token_hex(8)
+    name = f"{_PROBE_PREFIX}{int(time.time() * 1000)}-{secrets.token_hex(6)}"
     group = placement_group([{SLOT_RESOURCE: 1}], name=name)
     # The GCS's own wait: nothing runs in the group (ready() would start a worker there).
     if not group.wait(timeout):

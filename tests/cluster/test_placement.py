@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from shoal.cluster import slots
 from shoal.cluster.slots import SLOT_RESOURCE, Probes, Reservations, Room, reserved_slots
 
 pytestmark = pytest.mark.cluster
@@ -170,6 +171,36 @@ def test_a_host_adopts_the_probe_that_brought_a_sandbox_and_gives_it_back_after(
             # A name that is no probe is ignored.
             reservations.adopt("shoal-slots-not-a-probe")
             assert reservations.reserved == 0
+        finally:
+            await reservations.close()
+            await asyncio.to_thread(probes.close)
+        await _until(lambda: _free() == 6, "every reservation given back")
+
+    asyncio.run(scenario())
+
+
+def test_a_host_gives_back_a_stray_probe_on_its_node(ray_cluster, monkeypatch):
+    """A probe on the host's node that it never adopted (one a dead host had
+    adopted, moved here by Ray; one whose request never answered) is given back."""
+    first, second = ray_cluster
+    monkeypatch.setattr(slots, "_STRAY_SECONDS", 1.0)
+    monkeypatch.setattr(slots, "_AUDIT_SECONDS", 0.3)
+
+    async def scenario() -> None:
+        reservations = Reservations("", first, "shoal-test",
+                                    lambda: Room(held=0, max_sessions=3, blocked=False,
+                                                 memory_room=None))
+        probes = Probes()
+        await reservations.start()
+        try:
+            await probes.close_nodes({second: 3})
+            await _until(lambda: _free() == 3, "the second node closed")
+            stray = await probes.probe(2.0)
+            assert stray.node_id == first
+            probes.handed_over(stray)  # its front end no longer gives it back
+            assert _free() == 2
+            await _until(lambda: _free() == 3, "the stray probe given back")
+            await probes.close_nodes({})
         finally:
             await reservations.close()
             await asyncio.to_thread(probes.close)
