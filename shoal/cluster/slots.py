@@ -92,6 +92,7 @@ class Reservations:
         # (group, slots, adopted), oldest first; touched by the converging thread only.
         self._held: list[tuple[PlacementGroup, int, bool]] = []
         self._adopting: deque[str] = deque()  # probes' names, appended by requests
+        self._expected = 0  # requests placed here by a probe, not answered yet
         self._task: asyncio.Task | None = None
         self._connected = False
         self._names = itertools.count()  # what `ray list placement-groups` shows
@@ -106,6 +107,17 @@ class Reservations:
         now stands for what it brought."""
         if name.startswith(_PROBE_PREFIX):
             self._adopting.append(name)
+
+    def expect(self) -> None:
+        """A request placed here by a probe is under way: what it takes, its probe
+        covers (no reservation of the host's own is made for it meanwhile)."""
+        self._expected += 1
+
+    def settle(self, name: str, accepted: bool) -> None:
+        """That request answered: its probe adopted if it was accepted."""
+        self._expected -= 1
+        if accepted:
+            self.adopt(name)
 
     async def start(self) -> None:
         self._connected = not ray.is_initialized()
@@ -152,10 +164,15 @@ class Reservations:
     async def converge(self) -> None:
         wanted = reserved_slots(self.total, self._room())
         audit = time.monotonic() - self._audited > _AUDIT_SECONDS
-        if wanted != self.reserved or self._adopting or audit:
-            await asyncio.to_thread(self._converge, wanted, audit)
+        expected, reserved = self._expected, self.reserved
+        # Between what is reserved and that plus the probes of requests under
+        # way, nothing to do: those requests' sandboxes are counted already
+        # (made a reservation of its own, one would wait in Ray's queue behind
+        # its probe, and a probe can take the slot it waits for).
+        if not reserved <= wanted <= reserved + expected or self._adopting or audit:
+            await asyncio.to_thread(self._converge, wanted, expected, audit)
 
-    def _converge(self, wanted: int, audit: bool = False) -> None:
+    def _converge(self, wanted: int, expected: int = 0, audit: bool = False) -> None:
         while self._adopting:
             self._take(self._adopting.popleft())
         if audit:
@@ -164,18 +181,17 @@ class Reservations:
                           if not entry[2] or _state(entry[0]) != "REMOVED"]
             self._sweep()
         # Fewer: what was adopted goes first (a probe each), then the newest.
-        # More: one group for the difference, on this node; one Ray cannot
-        # place yet waits in its queue until the slots are free.
+        # More: a group of one slot each, on this node (one that Ray cannot
+        # place yet waits in its queue; one slot free is enough for it).
         while self._held and self.reserved > wanted:
             adopted = [i for i, entry in enumerate(self._held) if entry[2]]
             group, _, _ = self._held.pop(adopted[-1] if adopted else -1)
             remove_placement_group(group)
-        if self.reserved < wanted:
-            size = wanted - self.reserved
+        for _ in range(wanted - self.reserved - expected):
             group = placement_group(
-                [{SLOT_RESOURCE: size}], name=f"shoal-slots-{self._node_id[:12]}-{next(self._names)}",
+                [{SLOT_RESOURCE: 1}], name=f"shoal-slots-{self._node_id[:12]}-{next(self._names)}",
                 bundle_label_selector=[{"ray.io/node-id": self._node_id}])
-            self._held.append((group, size, False))
+            self._held.append((group, 1, False))
 
     def _sweep(self) -> None:
         adopted = {group.id.hex() for group, _, taken in self._held if taken}
@@ -231,14 +247,27 @@ class AdoptProbes:
         if name is None:
             return await self.app(scope, receive, send)
 
+        reservations = self.reservations
+        reservations.expect()
+        settled = False
+
         async def adopting(message) -> None:
-            if message["type"] == "http.response.start" and message["status"] < 400:
-                self.reservations.adopt(name)
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (PROBE_HEADER.encode(), b"adopted")]}
+            nonlocal settled
+            if message["type"] == "http.response.start" and not settled:
+                settled = True
+                accepted = message["status"] < 400
+                reservations.settle(name, accepted)
+                if accepted:
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (PROBE_HEADER.encode(), b"adopted")]}
             await send(message)
 
-        await self.app(scope, receive, adopting)
+        try:
+            await self.app(scope, receive, adopting)
+        finally:
+            if not settled:  # no answer (it failed, or its client left): not adopted
+                settled = True
+                reservations.settle(name, False)
 
 
 class Probes:

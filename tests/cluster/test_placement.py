@@ -146,12 +146,18 @@ def test_a_host_adopts_the_probe_that_brought_a_sandbox_and_gives_it_back_after(
             await _until(lambda: _free() == 3, "the second node closed")
             probe = await probes.probe(2.0)
             assert probe.node_id == first
-            # The host accepted what it brought: the probe is its reservation now,
-            # neither given back nor doubled by one of its own.
+            # While the request it brought is under way, its sandbox counted by
+            # the host already, the probe covers it: no reservation of the host's
+            # own (it would wait behind the probe for the same slot).
+            reservations.expect()
             room["held"] = 1
-            reservations.adopt(probe.name)
-            probes.handed_over(probe)
             await asyncio.sleep(0.5)  # a few ticks
+            assert _free() == 2 and reservations.reserved == 0
+            # The host accepted it: the probe is its reservation now, neither
+            # given back nor doubled by one of its own.
+            reservations.settle(probe.name, accepted=True)
+            probes.handed_over(probe)
+            await asyncio.sleep(0.5)
             assert _free() == 2 and reservations.reserved == 1
             # The sandbox released: the host gives the probe back.
             room["held"] = 0
