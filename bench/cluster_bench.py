@@ -13,6 +13,9 @@ Starts a real PostgreSQL and SeaweedFS (as the cluster suite does), then:
   threads each creating a session, running five trivial execs and releasing it,
   for ``--seconds``; execs per second and the exec p50 and p99.
 
+Through the cluster, a create includes Ray's scheduling of one ``shoal_slot``
+(shoal.cluster.slots): the front end asks Ray where the session goes.
+
 Every node of the cluster is on this machine and shares its two cores, so what
 more nodes add here is coordination, not capacity: the throughput figures say
 what routing costs, not how a cluster of real hosts scales.

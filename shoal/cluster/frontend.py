@@ -79,7 +79,7 @@ class FrontEnd:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.tokens = TokenTable.parse(settings.tokens, settings.operator_tokens)
-        # The hosts' /health tells their room to the operator only.
+        # The hosts' /health says why one is degraded to the operator only.
         operators = operator_tokens_of(settings.operator_tokens)
         self.membership = Membership(settings.cluster, operators[0] if operators else None)
         self.metadata = open_metadata(settings.data_dir, read_secret(settings.database_url))
@@ -254,7 +254,8 @@ def create_front_end(settings: Settings) -> Starlette:
         # hosts: serving what they hold; ready: taking new sessions and containers too.
         return JSONResponse({"status": "ok" if up else "degraded", "role": "front end",
                              "version": __version__, "hosts": len(hosts), "ready": len(up),
-                             "free_slots": sum(max(0, h.free) for h in up)})
+                             # What Ray's scheduler has left to place (shoal.cluster.slots).
+                             "free_slots": front.membership.free_slots})
 
     async def readyz(request: Request) -> Response:
         up = any(h.healthy for h in front.membership.hosts.values())

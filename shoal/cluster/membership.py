@@ -51,7 +51,6 @@ class Host:
     node_id: str
     url: str
     actor: object = None
-    free: int = 0  # session slots not taken, by the host's last /health
     healthy: bool = True  # takes new sessions and containers (its /health says ok)
     silent: int = 0  # polls in a row its /health did not answer
 
@@ -67,6 +66,7 @@ class Membership:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False)
         self._probes = Probes()
         self._slotless: set[str] = set()  # nodes warned about: a host, but no slots
+        self.free_slots = 0  # unreserved shoal_slot units, by Ray, at the last refresh
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -149,6 +149,8 @@ class Membership:
 
     async def refresh(self, wait: bool = False) -> None:
         nodes = await asyncio.to_thread(ray.nodes)
+        available = await asyncio.to_thread(ray.available_resources)
+        self.free_slots = int(available.get(SLOT_RESOURCE, 0))
         alive = {node_key(n["NodeID"]): n["NodeID"] for n in nodes
                  if n.get("Alive") and n.get("Resources", {}).get(HOST_RESOURCE, 0) >= 1}
         self._nodes = set(alive)
@@ -198,7 +200,6 @@ class Membership:
     async def _poll(self, host: Host) -> None:
         try:
             body = (await self._client.get(f"{host.url}/health", headers=self._headers)).json()
-            host.free = int(body["max_sessions"]) - int(body["sessions"])
             # Degraded (draining, full, no uids): still serves what it holds, takes nothing new.
             host.healthy = body.get("status") == "ok"
             host.silent = 0

@@ -170,23 +170,31 @@ class RayCluster:
         from tests.serving import launcher, uid
 
         self.root = tempfile.mkdtemp(prefix="shoal-ray-", dir="/tmp")  # short: socket paths
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
         secret = os.path.join(self.root, "s3.secret")
         with open(secret, "w") as handle:
             handle.write(seaweedfs.secret_key)
         self.nodes: list[dict] = []
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
-        head = [ray, "start", "--head", "--port", str(self.port), "--num-cpus", "0",
-                "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.root}",
-                "--dashboard-agent-listen-port", str(free_port()),
-                "--metrics-export-port", str(free_port()),
-                "--runtime-env-agent-port", str(free_port())]
-        done = subprocess.run(head, env={**os.environ, **self._ray_env()}, capture_output=True,
-                              text=True, timeout=120)
-        if done.returncode != 0:
-            self.stop()
-            raise RuntimeError(f"ray start --head failed: {done.stderr[-2000:]}")
+        # A second try on new ports: on two busy cores Ray's head now and then
+        # times out waiting for its own GCS ("Deadline Exceeded") as it starts.
+        for attempt in (1, 2):
+            self.port = free_port()
+            self.address = f"127.0.0.1:{self.port}"
+            head = [ray, "start", "--head", "--port", str(self.port), "--num-cpus", "0",
+                    "--include-dashboard=false", "--disable-usage-stats",
+                    f"--temp-dir={self.root}",
+                    "--dashboard-agent-listen-port", str(free_port()),
+                    "--metrics-export-port", str(free_port()),
+                    "--runtime-env-agent-port", str(free_port())]
+            done = subprocess.run(head, env={**os.environ, **self._ray_env()},
+                                  capture_output=True, text=True, timeout=120)
+            if done.returncode == 0:
+                break
+            if attempt == 2:
+                self.stop()
+                raise RuntimeError(f"ray start --head failed: {done.stderr[-2000:]}")
+            print(f"ray start --head failed, trying again: {done.stderr[-300:]}", file=sys.stderr)
+            self._kill(self._processes(self.root))
         for index in range(nodes):
             data_dir = os.path.join(self.root, f"node{index}")
             env = {key: value for key, value in os.environ.items() if not key.startswith("SHOAL_")}
@@ -224,6 +232,16 @@ class RayCluster:
         return {"RAY_USAGE_STATS_ENABLED": "0", "RAY_health_check_initial_delay_ms": "1000",
                 "RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
                 "RAY_health_check_failure_threshold": "4"}
+
+    @staticmethod
+    def _kill(pids: list[int]) -> None:
+        import signal
+
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def _processes(self, needle: str) -> list[int]:
         """Processes whose command line holds ``needle``."""

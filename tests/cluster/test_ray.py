@@ -88,6 +88,11 @@ def test_sessions_spread_over_the_nodes_and_every_call_reaches_its_node(cluster)
         # And Ray's view of the room is the hosts': each holds one of its six slots
         # (the probe that placed it, adopted: never given back and taken again).
         _free_slots_become(cluster, 3 * 6 - 3)
+        # The front end's /health says what Ray has left to place.
+        deadline = time.monotonic() + 10
+        while http.get("/health").json()["free_slots"] != 3 * 6 - 3:
+            assert time.monotonic() < deadline, http.get("/health").text
+            time.sleep(0.2)
         # Only a front end places: a client's own probe header goes nowhere.
         forged = http.post("/sessions", json={}, headers={"Shoal-Slot-Probe": "shoal-probe-x"})
         assert forged.status_code == 201 and "shoal-slot-probe" not in forged.headers
