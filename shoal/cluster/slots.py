@@ -177,8 +177,7 @@ class Reservations:
             self._take(self._adopting.popleft())
         if audit:
             self._audited = time.monotonic()
-            self._held = [entry for entry in self._held
-                          if not entry[2] or _state(entry[0]) != "REMOVED"]
+            self._held = [entry for entry in self._held if _state(entry[0]) != "REMOVED"]
             self._sweep()
         # Fewer: what was adopted goes first (a probe each), then the newest.
         # More: a group of one slot each, on this node (one that Ray cannot
