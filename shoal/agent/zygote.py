@@ -394,7 +394,7 @@ def _first_use(modules: dict) -> None:
             frame.groupby("b").sum()
             repr(frame)
             if "matplotlib.pyplot" in modules:  # pandas' own plotting backend
-                axes = frame.plot(x="a", y="a")
+                axes = frame.plot(y="a")
                 axes.figure.savefig(io.BytesIO(), format="png")
                 modules["matplotlib.pyplot"].close(axes.figure)
     except Exception as exc:  # a faster first use is not worth failing a sandbox for

@@ -199,6 +199,8 @@ async def test_the_preloaded_libraries_first_use_is_paid_by_the_zygote(tmp_path)
     await pool.start()
     try:
         assert pool._zygote is not None, "no zygote started"
+        # The warm-up itself ran through: a failure would leave part of it unpaid.
+        assert "warming" not in pool._zygote.diagnostics(), pool._zygote.diagnostics()
         sandbox = await pool.lease()
         try:
             result = await sandbox.run_python(
