@@ -51,10 +51,14 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
             log.warning("no tokens configured: every client that can reach %s may run code; "
                         "set SHOAL_TOKENS to require bearer tokens", address)
         yield
-        if reservations is not None:
-            await reservations.close()
-        await run_manager.close()
-        await manager.close()
+        try:
+            await run_manager.close()
+            await manager.close()
+        finally:
+            # Last: while the host stops its sandboxes (a drain snapshots them),
+            # its slots stay reserved, so Ray places nothing new here meanwhile.
+            if reservations is not None:
+                await reservations.close()
         await app.state.http_client.aclose()
 
     app = FastAPI(title="Shoal", version=__version__, lifespan=lifespan,

@@ -143,8 +143,12 @@ class FrontEnd:
             # may hold the container's latest files; it does not move.
             raise NoHost("the container's sandbox host is starting; retry")
         chosen, probe = await self.membership.place()
-        moved = await self.metadata.claim_placement(tenant, container_id, chosen.key,
-                                                    replacing=holder)
+        try:
+            moved = await self.metadata.claim_placement(tenant, container_id, chosen.key,
+                                                        replacing=holder)
+        except BaseException:
+            self.membership.handed_over(probe, adopted=False)
+            raise
         if moved != chosen.key:  # another front end moved it first
             self.membership.handed_over(probe, adopted=False)
             host = self.membership.alive(moved)
@@ -193,11 +197,30 @@ class FrontEnd:
         for _ in range(_ATTEMPTS):
             try:
                 upstream = await self._send(host, request, body, probe)
+            except httpx.ConnectError:
+                if probe is None or self._container_of(request, body) is not None:
+                    if probe is not None:
+                        self.membership.handed_over(probe, adopted=False)
+                    return error_response(request, 503, "the sandbox host did not answer; retry")
+                # Nothing new was made there: placed again, that host passed over
+                # until it answers its next poll (its server stopping, Ray not told yet).
+                self.membership.handed_over(probe, adopted=False)
+                probe = None
+                host.silent += 1
+                try:
+                    host, probe = await self.membership.place()
+                except NoHost as exc:
+                    return error_response(request, 503, str(exc))
+                continue
             except httpx.TransportError:
                 if probe is not None:
                     self.membership.handed_over(probe, adopted=False)
                 # The host stopped answering (its node going down): Ray will say so.
                 return error_response(request, 503, "the sandbox host did not answer; retry")
+            except BaseException:  # cancelled (the server stopping): the probe goes back
+                if probe is not None:
+                    self.membership.handed_over(probe, adopted=False)
+                raise
             if probe is not None:
                 # The host took the probe's slot over with what it accepted, or not.
                 self.membership.handed_over(
@@ -222,7 +245,8 @@ class FrontEnd:
                 return error_response(request, 503, str(exc))
         if probe is not None:
             self.membership.handed_over(probe, adopted=False)
-        return error_response(request, 503, "the container's placement kept moving; retry")
+        return error_response(request, 503, "no sandbox host took the request (hosts stopping, "
+                              "or the container's placement kept moving); retry")
 
     async def _send(self, host: Host, request: Request, body: bytes,
                     probe: Probe | None) -> httpx.Response:

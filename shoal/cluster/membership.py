@@ -115,7 +115,11 @@ class Membership:
         missed: list[Probe] = []
         try:
             for _ in range(_PLACE_ATTEMPTS):
-                probe = await self._probes.probe(PLACE_SECONDS)
+                try:
+                    probe = await self._probes.probe(PLACE_SECONDS)
+                except Exception as exc:  # noqa: BLE001 - Ray's own errors, or no answer
+                    log.warning("Ray's scheduler did not place a sandbox: %r", exc)
+                    raise NoHost("the cluster's scheduler did not answer; retry later") from exc
                 if probe is None:
                     raise NoHost("every sandbox host is full (its sessions, its memory, or "
                                  "it takes nothing new); retry later")
@@ -181,11 +185,12 @@ class Membership:
 
     async def _start_host(self, key: str, node_id: str) -> None:
         try:
-            actor = SandboxHost.options(
+            # get_if_exists asks the GCS, blocking: not on the event loop.
+            actor = await asyncio.to_thread(lambda: SandboxHost.options(
                 name=f"host-{node_id}", namespace=NAMESPACE, lifetime="detached",
                 get_if_exists=True, resources={HOST_RESOURCE: 1},
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(key)
+            ).remote(key))
             url = await asyncio.wait_for(asyncio.wrap_future(actor.url.remote().future()),
                                          _HOST_START_SECONDS)
             host = Host(key, node_id, url, actor)

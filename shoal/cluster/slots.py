@@ -36,8 +36,9 @@ import asyncio
 import itertools
 import logging
 import secrets
+import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -56,11 +57,14 @@ _TICK_SECONDS = 0.1
 # How often a host checks that what it adopted still exists (a probe goes
 # with the front end that asked for it), and sweeps its node of strays.
 _AUDIT_SECONDS = 5.0
-# A probe on a host's node this old that it did not adopt is a stray: one a
-# dead host had adopted, which Ray moved here with its node's death, or one
-# whose request never answered. Its slot is the host's to count (converging
-# makes up for a probe swept from under a request still under way).
+# A probe on a host's node that it has seen this long, did not adopt and
+# brought no request under way is a stray: one a dead host had adopted, which
+# Ray moved here with its node's death, or one whose request never came. (How
+# long by the host's own clock: a front end's may differ.)
 _STRAY_SECONDS = 10.0
+# How long a front end waits for Ray beyond the placement's own wait before it
+# gives up on an unresponsive GCS (a Ray call's own timeout is a minute).
+_GCS_SLACK_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,12 @@ class Reservations:
         self._held: list[tuple[PlacementGroup, int, bool]] = []
         self._adopting: deque[str] = deque()  # probes' names, appended by requests
         self._expected = 0  # requests placed here by a probe, not answered yet
+        self._under_way: Counter[str] = Counter()  # their probes' names
+        self._seen: dict[str, float] = {}  # possible strays: when first seen
         self._task: asyncio.Task | None = None
+        # One converging thread at a time: a tick's, or the close's after it.
+        self._lock = threading.Lock()
+        self._closing = False
         self._connected = False
         self._names = itertools.count()  # what `ray list placement-groups` shows
         self._audited = time.monotonic()
@@ -104,18 +113,24 @@ class Reservations:
 
     def adopt(self, name: str) -> None:
         """A request placed here by the probe ``name`` was accepted: the probe
-        now stands for what it brought."""
-        if name.startswith(_PROBE_PREFIX):
+        now stands for what it brought. (A node that offers no slots has no
+        reservations to keep: nothing is adopted there.)"""
+        if name.startswith(_PROBE_PREFIX) and self.total and not self._closing:
             self._adopting.append(name)
 
-    def expect(self) -> None:
-        """A request placed here by a probe is under way: what it takes, its probe
-        covers (no reservation of the host's own is made for it meanwhile)."""
+    def expect(self, name: str) -> None:
+        """A request placed here by the probe ``name`` is under way: what it
+        takes, its probe covers (no reservation of the host's own is made for it
+        meanwhile, and the probe is no stray however long the request takes)."""
         self._expected += 1
+        self._under_way[name] += 1
 
     def settle(self, name: str, accepted: bool) -> None:
         """That request answered: its probe adopted if it was accepted."""
         self._expected -= 1
+        self._under_way[name] -= 1
+        if self._under_way[name] <= 0:
+            del self._under_way[name]
         if accepted:
             self.adopt(name)
 
@@ -137,12 +152,18 @@ class Reservations:
         self._task = asyncio.create_task(self._forever())
 
     async def close(self) -> None:
+        """Give every reservation back (called once the host holds nothing):
+        ending the job would drop its own, but the adopted ones are their front
+        ends'; and given back now, no placement waits for the job's end. A GCS
+        that does not answer delays the host's exit by seconds, not minutes."""
+        self._closing = True  # a tick's thread still running stops making groups
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        # Ending the job would drop its own; given back now, no placement waits
-        # for that (and the adopted ones are not its own).
-        await asyncio.to_thread(self._converge, 0)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._converge, 0, closing=True), 10)
+        except Exception:  # noqa: BLE001 - the job's end drops its own; probes are swept
+            log.exception("could not give this host's slot reservations back")
         if self._connected:
             await asyncio.to_thread(ray.shutdown)
 
@@ -172,20 +193,33 @@ class Reservations:
         if not reserved <= wanted <= reserved + expected or self._adopting or audit:
             await asyncio.to_thread(self._converge, wanted, expected, audit)
 
-    def _converge(self, wanted: int, expected: int = 0, audit: bool = False) -> None:
+    def _converge(self, wanted: int, expected: int = 0, audit: bool = False,
+                  closing: bool = False) -> None:
+        with self._lock:
+            if self._closing and not closing:
+                return
+            self._converge_locked(wanted, expected, audit)
+
+    def _converge_locked(self, wanted: int, expected: int, audit: bool) -> None:
         while self._adopting:
             self._take(self._adopting.popleft())
         if audit:
             self._audited = time.monotonic()
             self._held = [entry for entry in self._held if _state(entry[0]) != "REMOVED"]
             self._sweep()
-        # Fewer: what was adopted goes first (a probe each), then the newest.
+        # Fewer: what was adopted goes first (a probe each), then the newest;
+        # forgotten once Ray has it removed (a failed call is retried next tick).
         # More: a group of one slot each, on this node (one that Ray cannot
         # place yet waits in its queue; one slot free is enough for it).
         while self._held and self.reserved > wanted:
             adopted = [i for i, entry in enumerate(self._held) if entry[2]]
-            group, _, _ = self._held.pop(adopted[-1] if adopted else -1)
-            remove_placement_group(group)
+            index = adopted[-1] if adopted else len(self._held) - 1
+            try:
+                remove_placement_group(self._held[index][0])
+            except Exception:
+                if _state(self._held[index][0]) != "REMOVED":
+                    raise
+            del self._held[index]
         for _ in range(wanted - self.reserved - expected):
             group = placement_group(
                 [{SLOT_RESOURCE: 1}], name=f"shoal-slots-{self._node_id[:12]}-{next(self._names)}",
@@ -194,40 +228,44 @@ class Reservations:
 
     def _sweep(self) -> None:
         adopted = {group.id.hex() for group, _, taken in self._held if taken}
-        now = time.time()
+        now = time.monotonic()
+        candidates = set()
         for entry in placement_group_table().values():
             name = entry.get("name") or ""
-            if (name.startswith(_PROBE_PREFIX) and entry.get("state") == "CREATED"
+            if not (name.startswith(_PROBE_PREFIX) and entry.get("state") == "CREATED"
                     and entry.get("bundles_to_node_id", {}).get(0) == self._node_id
                     and entry.get("placement_group_id") not in adopted
-                    and now - _probe_time(name) > _STRAY_SECONDS):
+                    and name not in self._under_way):
+                continue
+            candidates.add(name)
+            if now - self._seen.setdefault(name, now) > _STRAY_SECONDS:
                 log.info("giving back a stray probe on this node: %s", name)
-                remove_placement_group(get_placement_group(name))
+                try:
+                    remove_placement_group(get_placement_group(name))
+                except Exception:  # noqa: BLE001 - gone meanwhile; the others still swept
+                    log.debug("the stray probe %s was gone already", name)
+        self._seen = {name: seen for name, seen in self._seen.items() if name in candidates}
 
     def _take(self, name: str) -> None:
-        """Hold the probe ``name`` if it is one, reserved on this node."""
+        """Hold the probe ``name`` if it is one, reserved on this node, and not
+        held already (a request's header names it; it is no proof)."""
         try:
             group = get_placement_group(name)
             table = placement_group_table(group)
         except Exception:  # noqa: BLE001 - gone already (its front end with it)
             return
-        if table.get("bundles_to_node_id", {}).get(0) == self._node_id:
+        if (table.get("state") == "CREATED"
+                and table.get("bundles_to_node_id", {}).get(0) == self._node_id
+                and all(held.id != group.id for held, _, _ in self._held)):
             self._held.append((group, 1, True))
 
 
-def _probe_time(name: str) -> float:
-    """When the probe ``name`` was asked for (its name says, in milliseconds)."""
-    try:
-        return int(name[len(_PROBE_PREFIX):].split("-", 1)[0]) / 1000
-    except ValueError:
-        return 0.0
-
-
 def _state(group: PlacementGroup) -> str:
+    """Ray's state of the group; UNKNOWN when Ray did not say (kept meanwhile)."""
     try:
         return placement_group_table(group).get("state", "REMOVED")
     except Exception:  # noqa: BLE001
-        return "REMOVED"
+        return "UNKNOWN"
 
 
 class AdoptProbes:
@@ -247,7 +285,7 @@ class AdoptProbes:
             return await self.app(scope, receive, send)
 
         reservations = self.reservations
-        reservations.expect()
+        reservations.expect(name)
         settled = False
 
         async def adopting(message) -> None:
@@ -280,12 +318,19 @@ class Probes:
         # A wait per placement in flight: as many as a burst of creates.
         self._threads = ThreadPoolExecutor(max_workers=64, thread_name_prefix="shoal-probe")
         self._held: set[PlacementGroup] = set()
-        self._closed: dict[str, PlacementGroup] = {}  # node id: all its slots, held
+        self._closed: dict[str, list[PlacementGroup]] = {}  # node id: its slots, held
 
     async def probe(self, timeout: float) -> Probe | None:
         """One slot Ray reserved (where, and the probe that holds it), or None
-        if Ray found no free slot in time."""
-        probe = await asyncio.get_running_loop().run_in_executor(self._threads, _probe, timeout)
+        if Ray found no free slot in time. Raises if Ray does not answer in
+        time; a probe that comes after that, or after the caller gave up
+        (cancelled), is given back as it comes."""
+        future = asyncio.get_running_loop().run_in_executor(self._threads, _probe, timeout)
+        try:
+            probe = await asyncio.wait_for(asyncio.shield(future), timeout + _GCS_SLACK_SECONDS)
+        except BaseException:
+            future.add_done_callback(self._give_back_late)
+            raise
         if probe.node_id is None:
             self.give_back(probe)
             return None
@@ -298,7 +343,14 @@ class Probes:
 
     def give_back(self, probe: Probe) -> None:
         self._held.discard(probe.group)
-        self._threads.submit(remove_placement_group, probe.group)
+        try:
+            self._threads.submit(remove_placement_group, probe.group)
+        except RuntimeError:  # closing: the job's end drops it
+            pass
+
+    def _give_back_late(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self.give_back(future.result())
 
     async def close_nodes(self, nodes: dict[str, int]) -> None:
         """Hold every slot of these nodes (node id: its slots); open the nodes
@@ -309,7 +361,9 @@ class Probes:
 
     def _close_nodes(self, nodes: dict[str, int]) -> None:
         for node_id in [n for n in self._closed if n not in nodes]:
-            remove_placement_group(self._closed.pop(node_id))
+            for group in self._closed[node_id]:
+                remove_placement_group(group)
+            del self._closed[node_id]
         for node_id, total in nodes.items():
             if node_id not in self._closed:
                 self._closed[node_id] = close_node(node_id, total)
@@ -332,14 +386,25 @@ class Probe:
 def _probe(timeout: float) -> Probe:
     name = f"{_PROBE_PREFIX}{int(time.time() * 1000)}-{secrets.token_hex(6)}"
     group = placement_group([{SLOT_RESOURCE: 1}], name=name)
-    # The GCS's own wait: nothing runs in the group (ready() would start a worker there).
-    if not group.wait(timeout):
-        return Probe(name, group, None)
-    return Probe(name, group, placement_group_table(group)["bundles_to_node_id"][0])
+    try:
+        # The GCS's own wait: nothing runs in the group (ready() would start a worker there).
+        if not group.wait(timeout):
+            return Probe(name, group, None)
+        return Probe(name, group, placement_group_table(group).get("bundles_to_node_id", {}).get(0))
+    except BaseException:
+        try:
+            remove_placement_group(group)
+        except Exception:  # noqa: BLE001 - Ray unreachable: the job's end drops it
+            pass
+        raise
 
 
-def close_node(node_id: str, total: int) -> PlacementGroup:
-    """Hold all ``total`` slots of the node, so that Ray places nothing there
-    (placed once they are free: a probe or a reservation there given back)."""
-    return placement_group([{SLOT_RESOURCE: total}], name=f"shoal-closed-{node_id[:12]}-{secrets.token_hex(3)}",
-                           bundle_label_selector=[{"ray.io/node-id": node_id}])
+def close_node(node_id: str, total: int) -> list[PlacementGroup]:
+    """Hold all ``total`` slots of the node, so that Ray places nothing there:
+    a group of one slot each, each placed as soon as its slot is free (one group
+    of them all would wait for every slot to be free at once, which on a busy
+    node may never be)."""
+    tag = f"{node_id[:12]}-{secrets.token_hex(3)}"
+    return [placement_group([{SLOT_RESOURCE: 1}], name=f"shoal-closed-{tag}-{number}",
+                            bundle_label_selector=[{"ray.io/node-id": node_id}])
+            for number in range(total)]

@@ -149,7 +149,7 @@ def test_a_host_adopts_the_probe_that_brought_a_sandbox_and_gives_it_back_after(
             # While the request it brought is under way, its sandbox counted by
             # the host already, the probe covers it: no reservation of the host's
             # own (it would wait behind the probe for the same slot).
-            reservations.expect()
+            reservations.expect(probe.name)
             room["held"] = 1
             await asyncio.sleep(0.5)  # a few ticks
             assert _free() == 2 and reservations.reserved == 0
@@ -204,12 +204,68 @@ def test_a_host_gives_back_a_stray_probe_on_its_node(ray_cluster, monkeypatch):
             stray = await probes.probe(2.0)
             assert stray.node_id == first
             probes.handed_over(stray)  # its front end no longer gives it back
+            # While a request it brought is under way (a long one), it is none.
+            reservations.expect(stray.name)
+            await asyncio.sleep(2.5)  # several audits, each well past the stray's age
             assert _free() == 2
+            reservations.settle(stray.name, accepted=False)
             await _until(lambda: _free() == 3, "the stray probe given back")
             await probes.close_nodes({})
         finally:
             await reservations.close()
             await asyncio.to_thread(probes.close)
         await _until(lambda: _free() == 6, "every reservation given back")
+
+    asyncio.run(scenario())
+
+
+def test_a_busy_node_is_closed_slot_by_slot_as_they_come_free(ray_cluster):
+    """A front end closes a node whose host does not serve: its free slots are
+    held at once, the others as they come free (not once all are free at once,
+    which on a busy node may never be)."""
+    first, second = ray_cluster
+
+    async def scenario() -> None:
+        probes = Probes()
+        try:
+            await probes.close_nodes({second: 3})
+            await _until(lambda: _free() == 3, "the second node closed")
+            busy = await probes.probe(2.0)
+            assert busy.node_id == first
+            await probes.close_nodes({first: 3, second: 3})
+            await _until(lambda: _free() == 0, "the first node's free slots held")
+            probes.give_back(busy)
+            await _until(lambda: _free() == 0, "the slot that came free held too")
+            assert await probes.probe(0.3) is None
+            await probes.close_nodes({})
+            await _until(lambda: _free() == 6, "both nodes open again")
+        finally:
+            await asyncio.to_thread(probes.close)
+        await _until(lambda: _free() == 6, "every reservation given back")
+
+    asyncio.run(scenario())
+
+
+def test_a_placement_given_up_gives_its_probe_back_when_it_comes(ray_cluster):
+    """A request that stops waiting for Ray (its client gone, the server
+    stopping) leaves no slot held: the probe, placed later, is given back."""
+    first, second = ray_cluster
+
+    async def scenario() -> None:
+        probes = Probes()
+        try:
+            await probes.close_nodes({first: 3, second: 3})
+            await _until(lambda: _free() == 0, "both nodes closed")
+            waiting = asyncio.create_task(probes.probe(3.0))
+            await asyncio.sleep(0.3)
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            await probes.close_nodes({})
+            # The probe is placed as the slots come free, then given back.
+            await _until(lambda: _free() == 6, "the abandoned probe given back")
+            await asyncio.sleep(3.5)  # past its own wait too
+            assert _free() == 6
+        finally:
+            await asyncio.to_thread(probes.close)
 
     asyncio.run(scenario())
