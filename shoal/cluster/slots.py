@@ -111,12 +111,14 @@ class Reservations:
     def reserved(self) -> int:
         return sum(size for _, size, _ in self._held) + len(self._adopting)
 
-    def adopt(self, name: str) -> None:
+    def adopt(self, name: str) -> bool:
         """A request placed here by the probe ``name`` was accepted: the probe
         now stands for what it brought. (A node that offers no slots has no
         reservations to keep: nothing is adopted there.)"""
         if name.startswith(_PROBE_PREFIX) and self.total and not self._closing:
             self._adopting.append(name)
+            return True
+        return False
 
     def expect(self, name: str) -> None:
         """A request placed here by the probe ``name`` is under way: what it
@@ -125,14 +127,14 @@ class Reservations:
         self._expected += 1
         self._under_way[name] += 1
 
-    def settle(self, name: str, accepted: bool) -> None:
-        """That request answered: its probe adopted if it was accepted."""
+    def settle(self, name: str, accepted: bool) -> bool:
+        """That request answered: its probe adopted if it was accepted (whether
+        it was is returned: one not adopted goes back to its front end)."""
         self._expected -= 1
         self._under_way[name] -= 1
         if self._under_way[name] <= 0:
             del self._under_way[name]
-        if accepted:
-            self.adopt(name)
+        return accepted and self.adopt(name)
 
     async def start(self) -> None:
         self._connected = not ray.is_initialized()
@@ -292,9 +294,7 @@ class AdoptProbes:
             nonlocal settled
             if message["type"] == "http.response.start" and not settled:
                 settled = True
-                accepted = message["status"] < 400
-                reservations.settle(name, accepted)
-                if accepted:
+                if reservations.settle(name, message["status"] < 400):
                     message = {**message, "headers": [*message.get("headers", []),
                                                       (PROBE_HEADER.encode(), b"adopted")]}
             await send(message)
