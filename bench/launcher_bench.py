@@ -8,7 +8,9 @@ measured in the same run:
 
 - create session p50/p99, with a warm sandbox waiting (the steady state);
 - first exec in a fresh session, and a trivial exec (``x = 1``) p50/p99;
-- ``import pandas`` plus a saved matplotlib figure in a fresh session;
+- ``import pandas`` plus a saved matplotlib figure in a fresh session, and the
+  same chart again in that session (the fresh one's extra is the fork's
+  copy-on-write faults; what both pay is the libraries' own cost);
 - 32 concurrent creates, each followed by its first exec: p50, p99 and wall,
   on the pool at its size, then again once the first burst has grown it;
 - idle PSS per session with pandas imported (from /proc/<pid>/smaps_rollup of
@@ -156,6 +158,11 @@ async def figures(port: int, pool_size: int, pid: int) -> None:
         ms, _ = await timed(control, "POST", f"/sessions/{session}/exec", exec_body(chart))
         first_chart.append(ms)
     line("import pandas + a saved figure, fresh session", first_chart, h50)
+    # For scale: the same chart again in those sessions, its copy-on-write
+    # faults paid (what is left is matplotlib's and pandas' own cost here).
+    again = [(await timed(control, "POST", f"/sessions/{session}/exec", exec_body(chart)))[0]
+             for session in sessions[1:11]]
+    line("  the same chart again, same session", again, h50)
     uids = {}
     for session in sessions:
         _, body = await timed(control, "POST", f"/sessions/{session}/exec",
