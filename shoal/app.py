@@ -52,14 +52,18 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
                         "set SHOAL_TOKENS to require bearer tokens", address)
         yield
         try:
-            await run_manager.close()
-            await manager.close()
+            try:
+                await run_manager.close()
+            finally:
+                await manager.close()
         finally:
-            # Last: while the host stops its sandboxes (a drain snapshots them),
-            # its slots stay reserved, so Ray places nothing new here meanwhile.
-            if reservations is not None:
-                await reservations.close()
-        await app.state.http_client.aclose()
+            try:
+                # Last: while the host stops its sandboxes (a drain snapshots
+                # them), its slots stay reserved, so Ray places nothing new here.
+                if reservations is not None:
+                    await reservations.close()
+            finally:
+                await app.state.http_client.aclose()
 
     app = FastAPI(title="Shoal", version=__version__, lifespan=lifespan,
                   summary="Isolated, stateful code execution for LLM gateways",

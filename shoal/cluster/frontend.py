@@ -194,11 +194,12 @@ class FrontEnd:
         if isinstance(target, Response):
             return target
         host, probe = target
-        for _ in range(_ATTEMPTS):
+        for attempt in range(_ATTEMPTS):
             try:
                 upstream = await self._send(host, request, body, probe)
             except httpx.ConnectError:
-                if probe is None or self._container_of(request, body) is not None:
+                if (probe is None or attempt == _ATTEMPTS - 1
+                        or self._container_of(request, body) is not None):
                     if probe is not None:
                         self.membership.handed_over(probe, adopted=False)
                     return error_response(request, 503, "the sandbox host did not answer; retry")

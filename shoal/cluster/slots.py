@@ -162,11 +162,14 @@ class Reservations:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        giving_back = asyncio.ensure_future(asyncio.to_thread(self._converge, 0, closing=True))
         try:
-            await asyncio.wait_for(asyncio.to_thread(self._converge, 0, closing=True), 10)
+            await asyncio.wait_for(asyncio.shield(giving_back), 10)
         except Exception:  # noqa: BLE001 - the job's end drops its own; probes are swept
             log.exception("could not give this host's slot reservations back")
-        if self._connected:
+        # Ray is not shut down under a thread still calling it: the process's
+        # exit ends the job all the same.
+        if self._connected and giving_back.done():
             await asyncio.to_thread(ray.shutdown)
 
     async def _forever(self) -> None:
@@ -319,6 +322,8 @@ class Probes:
         self._threads = ThreadPoolExecutor(max_workers=64, thread_name_prefix="shoal-probe")
         self._held: set[PlacementGroup] = set()
         self._closed: dict[str, list[PlacementGroup]] = {}  # node id: its slots, held
+        # A refresh's closing still on its thread, and the close's after it.
+        self._closing_lock = threading.Lock()
 
     async def probe(self, timeout: float) -> Probe | None:
         """One slot Ray reserved (where, and the probe that holds it), or None
@@ -360,13 +365,14 @@ class Probes:
                                                              dict(nodes))
 
     def _close_nodes(self, nodes: dict[str, int]) -> None:
-        for node_id in [n for n in self._closed if n not in nodes]:
-            for group in self._closed[node_id]:
-                remove_placement_group(group)
-            del self._closed[node_id]
-        for node_id, total in nodes.items():
-            if node_id not in self._closed:
-                self._closed[node_id] = close_node(node_id, total)
+        with self._closing_lock:
+            for node_id in [n for n in self._closed if n not in nodes]:
+                for group in self._closed[node_id]:
+                    remove_placement_group(group)
+                del self._closed[node_id]
+            for node_id, total in nodes.items():
+                if node_id not in self._closed:
+                    self._closed[node_id] = close_node(node_id, total)
 
     def close(self) -> None:
         for group in list(self._held):
@@ -405,6 +411,16 @@ def close_node(node_id: str, total: int) -> list[PlacementGroup]:
     of them all would wait for every slot to be free at once, which on a busy
     node may never be)."""
     tag = f"{node_id[:12]}-{secrets.token_hex(3)}"
-    return [placement_group([{SLOT_RESOURCE: 1}], name=f"shoal-closed-{tag}-{number}",
-                            bundle_label_selector=[{"ray.io/node-id": node_id}])
-            for number in range(total)]
+    groups: list[PlacementGroup] = []
+    try:
+        for number in range(total):
+            groups.append(placement_group([{SLOT_RESOURCE: 1}], name=f"shoal-closed-{tag}-{number}",
+                                          bundle_label_selector=[{"ray.io/node-id": node_id}]))
+    except BaseException:  # none half made: the next try makes them all
+        for group in groups:
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001 - Ray unreachable: the job's end drops it
+                pass
+        raise
+    return groups
