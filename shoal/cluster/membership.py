@@ -180,8 +180,12 @@ class Membership:
         for host in [h for h in self.hosts.values() if h.silent >= _SILENT_POLLS]:
             await self._ask(host)
         # A node whose host does not serve reserves nothing itself: closed here.
-        await self._probes.close_nodes({node_id: slots[key] for key, node_id in alive.items()
-                                        if key not in self.hosts and slots[key]})
+        # So is one whose host stopped answering (its server crashed: its own
+        # reservations went with it, and Ray, seeing the node all free, would
+        # send every new sandbox there) until it answers again or is replaced.
+        await self._probes.close_nodes({
+            node_id: slots[key] for key, node_id in alive.items()
+            if (key not in self.hosts or self.hosts[key].silent) and slots[key]})
 
     async def _start_host(self, key: str, node_id: str) -> None:
         try:
