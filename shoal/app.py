@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import httpx
 from fastapi import FastAPI
@@ -51,19 +51,16 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
             log.warning("no tokens configured: every client that can reach %s may run code; "
                         "set SHOAL_TOKENS to require bearer tokens", address)
         yield
-        try:
-            try:
-                await run_manager.close()
-            finally:
-                await manager.close()
-        finally:
-            try:
-                # Last: while the host stops its sandboxes (a drain snapshots
-                # them), its slots stay reserved, so Ray places nothing new here.
-                if reservations is not None:
-                    await reservations.close()
-            finally:
-                await app.state.http_client.aclose()
+        # Closed from the last pushed to the first, each even if one before it
+        # failed. Reservations close after the sandboxes: while the host stops
+        # them (a drain snapshots them), its slots stay reserved, so Ray places
+        # nothing new here.
+        async with AsyncExitStack() as closing:
+            closing.push_async_callback(app.state.http_client.aclose)
+            if reservations is not None:
+                closing.push_async_callback(reservations.close)
+            closing.push_async_callback(manager.close)
+            closing.push_async_callback(run_manager.close)
 
     app = FastAPI(title="Shoal", version=__version__, lifespan=lifespan,
                   summary="Isolated, stateful code execution for LLM gateways",

@@ -197,27 +197,24 @@ class FrontEnd:
         for attempt in range(_ATTEMPTS):
             try:
                 upstream = await self._send(host, request, body, probe)
-            except httpx.ConnectError:
-                if (probe is None or attempt == _ATTEMPTS - 1
+            except httpx.TransportError as exc:
+                placed, probe = probe, None
+                if placed is not None:
+                    self.membership.handed_over(placed, adopted=False)
+                # The host stopped answering (its node going down): Ray will say so.
+                # A new sandbox whose host refused the connection (nothing was
+                # made there) is placed again, that host passed over until it
+                # answers its next poll.
+                if (not isinstance(exc, httpx.ConnectError) or placed is None
+                        or attempt == _ATTEMPTS - 1
                         or self._container_of(request, body) is not None):
-                    if probe is not None:
-                        self.membership.handed_over(probe, adopted=False)
                     return error_response(request, 503, "the sandbox host did not answer; retry")
-                # Nothing new was made there: placed again, that host passed over
-                # until it answers its next poll (its server stopping, Ray not told yet).
-                self.membership.handed_over(probe, adopted=False)
-                probe = None
                 host.silent += 1
                 try:
                     host, probe = await self.membership.place()
-                except NoHost as exc:
-                    return error_response(request, 503, str(exc))
+                except NoHost as placing:
+                    return error_response(request, 503, str(placing))
                 continue
-            except httpx.TransportError:
-                if probe is not None:
-                    self.membership.handed_over(probe, adopted=False)
-                # The host stopped answering (its node going down): Ray will say so.
-                return error_response(request, 503, "the sandbox host did not answer; retry")
             except BaseException:  # cancelled (the server stopping): the probe goes back
                 if probe is not None:
                     self.membership.handed_over(probe, adopted=False)

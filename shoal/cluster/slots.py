@@ -226,9 +226,7 @@ class Reservations:
                     raise
             del self._held[index]
         for _ in range(wanted - self.reserved - expected):
-            group = placement_group(
-                [{SLOT_RESOURCE: 1}], name=f"shoal-slots-{self._node_id[:12]}-{next(self._names)}",
-                bundle_label_selector=[{"ray.io/node-id": self._node_id}])
+            group = _slot_on(self._node_id, f"shoal-slots-{self._node_id[:12]}-{next(self._names)}")
             self._held.append((group, 1, False))
 
     def _sweep(self) -> None:
@@ -398,10 +396,7 @@ def _probe(timeout: float) -> Probe:
             return Probe(name, group, None)
         return Probe(name, group, placement_group_table(group).get("bundles_to_node_id", {}).get(0))
     except BaseException:
-        try:
-            remove_placement_group(group)
-        except Exception:  # noqa: BLE001 - Ray unreachable: the job's end drops it
-            pass
+        _remove_quietly(group)
         raise
 
 
@@ -414,13 +409,23 @@ def close_node(node_id: str, total: int) -> list[PlacementGroup]:
     groups: list[PlacementGroup] = []
     try:
         for number in range(total):
-            groups.append(placement_group([{SLOT_RESOURCE: 1}], name=f"shoal-closed-{tag}-{number}",
-                                          bundle_label_selector=[{"ray.io/node-id": node_id}]))
+            groups.append(_slot_on(node_id, f"shoal-closed-{tag}-{number}"))
     except BaseException:  # none half made: the next try makes them all
         for group in groups:
-            try:
-                remove_placement_group(group)
-            except Exception:  # noqa: BLE001 - Ray unreachable: the job's end drops it
-                pass
+            _remove_quietly(group)
         raise
     return groups
+
+
+def _slot_on(node_id: str, name: str) -> PlacementGroup:
+    """A reservation of one slot on the node ``node_id`` (Ray places it there
+    as soon as one is free there, and nowhere else)."""
+    return placement_group([{SLOT_RESOURCE: 1}], name=name,
+                           bundle_label_selector=[{"ray.io/node-id": node_id}])
+
+
+def _remove_quietly(group: PlacementGroup) -> None:
+    try:
+        remove_placement_group(group)
+    except Exception:  # noqa: BLE001 - Ray unreachable: the job's end drops it
+        pass

@@ -57,12 +57,6 @@ def ray_cluster():
         cluster.shutdown()
 
 
-def _state(group) -> str:
-    from ray.util.placement_group import placement_group_table
-
-    return placement_group_table(group).get("state", "REMOVED")
-
-
 def _free() -> int:
     import ray
 
@@ -83,7 +77,7 @@ async def _give_back(probes: Probes, held: list) -> None:
     through figures the step after does not expect."""
     for probe in held:
         probes.give_back(probe)
-    await _until(lambda: all(_state(probe.group) == "REMOVED" for probe in held),
+    await _until(lambda: all(slots._state(probe.group) == "REMOVED" for probe in held),
                  "the probes given back")
 
 
@@ -249,9 +243,9 @@ def test_a_busy_node_is_closed_slot_by_slot_as_they_come_free(ray_cluster):
             await probes.close_nodes({first: 3, second: 3})
             await _until(lambda: _free() == 0, "the first node's free slots held")
             probes.give_back(busy)
-            await _until(lambda: _state(busy.group) == "REMOVED", "the busy slot given back")
+            await _until(lambda: slots._state(busy.group) == "REMOVED", "the busy slot given back")
             # The slot that came free is held too: every group closing the node placed.
-            await _until(lambda: all(_state(group) == "CREATED"
+            await _until(lambda: all(slots._state(group) == "CREATED"
                                      for group in probes._closed[first]),
                          "the first node's every slot held")
             assert _free() == 0 and await probes.probe(0.3) is None
