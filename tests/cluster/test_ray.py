@@ -269,6 +269,65 @@ def test_a_drained_host_finishes_its_calls_then_its_containers_move(cluster):
         assert node not in {_host_of(s) for s in fresh}
 
 
+def test_a_crashed_host_is_passed_over_at_once_then_replaced(cluster):
+    """``kill -9`` of a host's server, its node alive. Ray still offers the node's
+    slots (and once the server's Ray job is seen to end, all of them), so new
+    sandboxes are placed there until the front end knows better: a refused
+    connection places the request again elsewhere, and a host that missed a poll
+    is passed over (its node closed) at once, not only once its actor is asked
+    and it is replaced. So creating sessions works within a poll of the crash,
+    no session handed out is on the dead server, its own sessions answer 404,
+    and the node then gets a new host that takes sessions again."""
+    front = cluster.front_end("front")
+    with front.client() as http:
+        held = [http.post("/sessions", json={}).json()["session_id"] for _ in range(3)]
+        node = _host_of(held[0])
+        os.kill(cluster.host_server(node), signal.SIGKILL)
+        killed = time.monotonic()
+        answers = []
+        while time.monotonic() - killed < 6:
+            created = http.post("/sessions", json={})
+            elapsed = time.monotonic() - killed
+            if created.status_code == 503:
+                # Only in the first moment, before any poll saw the host silent,
+                # and then in the protocol's shape, to retry.
+                assert elapsed < 2.5, (elapsed, created.text)
+                assert created.headers["retry-after"] and created.json()["detail"], created.text
+            else:
+                assert created.status_code == 201, (elapsed, created.text)
+                session = created.json()["session_id"]
+                assert _exec(http, session, "print(6 * 7)")["result_block"]["content"][
+                    "stdout"] == "42\n"
+                assert http.delete(f"/sessions/{session}").status_code == 204
+            answers.append((elapsed, created.status_code))
+        assert [code for elapsed, code in answers if elapsed > 2.5].count(201) >= 3, answers
+        # The session on the dead server is gone, not answered as live.
+        deadline = time.monotonic() + 60
+        while (gone := http.post(f"/sessions/{held[0]}/exec", json={
+                "tool": "code_execution", "input": {"code": "1"}})).status_code == 503:
+            assert time.monotonic() < deadline, gone.text
+            time.sleep(0.5)
+        assert gone.status_code == 404, gone.text
+        # A new host on the node (same key: it is the node's) takes sessions again.
+        deadline = time.monotonic() + 120
+        landed = None
+        while landed is None:
+            assert time.monotonic() < deadline, front.log()
+            created = http.post("/sessions", json={})
+            if created.status_code == 201:
+                session = created.json()["session_id"]
+                if _host_of(session) == node:
+                    landed = session
+                else:
+                    held.append(session)  # kept, so Ray's spread turns to the new host
+            time.sleep(0.2)
+        assert _exec(http, landed, "print('back')")["result_block"]["content"]["stdout"] == "back\n"
+        for session in [*held, landed]:
+            assert http.delete(f"/sessions/{session}").status_code == 204
+    # Nothing stays reserved: not the dead server's, not a probe given back.
+    _free_slots_become(cluster, 3 * 6, seconds=60)
+
+
 def _free_slots_become(cluster, expected: int, seconds: float = 30) -> None:
     """Wait until Ray counts ``expected`` unreserved ``shoal_slot`` units."""
     import ray
