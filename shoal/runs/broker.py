@@ -26,6 +26,9 @@ from urllib.parse import urlsplit
 from shoal.egress.policy import Allowlist
 
 import httpx
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
 from jsonschema import exceptions as schema_exceptions
 from jsonschema import validators
 
@@ -35,6 +38,16 @@ log = logging.getLogger("shoal.tools")
 
 MAX_TOOLS = 128
 _MAX_DESCRIPTION = 16_384
+# The registry a tool's schema resolves its $refs in: one that retrieves
+# nothing. jsonschema's default registry fetches any URI it does not hold with
+# urlopen (http, https, file://), so a client's schema would make the host
+# call a URL the client chose, or read one of the host's files, each time code
+# called the tool. Declared schemas may refer only inside themselves
+# (_unresolved_reference).
+_NO_RETRIEVAL = referencing.Registry()
+# Keywords whose values are data, not subschemas: a "$ref" key inside them is
+# just a key.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
 class InvalidTools(ValueError):
@@ -79,7 +92,48 @@ def normalise_tool(raw: object) -> ToolSpec:
     except schema_exceptions.SchemaError as exc:
         raise InvalidTools(f"tool {name!r}: parameters is not a valid JSON schema: "
                            f"{exc.message}") from None
+    unresolved = _unresolved_reference(parameters)
+    if unresolved is not None:
+        raise InvalidTools(f"tool {name!r}: parameters has a $ref that does not point at a "
+                           f"schema inside it: {unresolved[:200]!r} (references to other "
+                           "documents are not followed)")
     return ToolSpec(name, description, parameters)
+
+
+def _validator(schema: dict):
+    """The schema's validator, resolving references only within the schema."""
+    return validators.validator_for(schema)(schema, registry=_NO_RETRIEVAL)
+
+
+def _unresolved_reference(schema: dict) -> str | None:
+    """The first $ref (or $dynamicRef) that does not resolve to a schema inside
+    ``schema``, each looked up from the base its subschema's $id sets, as
+    validation would; None when all do. Refused at declaration, a tool never
+    fails at its call for a reference its schema cannot follow."""
+    specification = referencing.jsonschema.DRAFT202012.detect(schema)
+    root = specification.create_resource(schema)
+    pending = [(schema, _NO_RETRIEVAL.resolver_with_root(root))]
+    while pending:
+        node, resolver = pending.pop()
+        if isinstance(node, list):
+            pending.extend((item, resolver) for item in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if node is not schema and specification.id_of(node) is not None:
+            resolver = resolver.in_subresource(specification.create_resource(node))
+        for keyword in ("$ref", "$dynamicRef"):
+            reference = node.get(keyword)
+            if isinstance(reference, str):
+                try:
+                    target = resolver.lookup(reference).contents
+                except referencing.exceptions.Unresolvable:
+                    return reference
+                if not isinstance(target, (dict, bool)):
+                    return reference  # a keyword's value, say, not a schema
+        pending.extend((value, resolver) for key, value in node.items()
+                       if key not in _DATA_KEYWORDS)
+    return None
 
 
 class Grant:
@@ -97,8 +151,7 @@ class Grant:
             raise InvalidTools(f"allowed_tools names tools that are not declared: "
                                f"{', '.join(map(repr, unknown))}")
         self.tools = [declared[name] for name in dict.fromkeys(allowed)]
-        self._validators = {tool.name: validators.validator_for(tool.parameters)(tool.parameters)
-                            for tool in self.tools}
+        self._validators = {tool.name: _validator(tool.parameters) for tool in self.tools}
 
     @property
     def names(self) -> list[str]:
@@ -112,7 +165,18 @@ class Grant:
         validator = self._validators.get(call.name)
         if validator is None:
             return f"tool {call.name!r} is not allowed in this run"
-        error = next(iter(validator.iter_errors(call.arguments)), None)
+        try:
+            error = next(iter(validator.iter_errors(call.arguments)), None)
+        except RecursionError:
+            # A schema whose references go round without descending into the
+            # arguments ({"$ref": "#"} at its root, say) never finishes.
+            return (f"tool {call.name!r} cannot check its arguments: its schema refers to "
+                    "itself without end")
+        except Exception as exc:  # noqa: BLE001 - the client's schema fails its call only
+            # Declared schemas are checked (normalise_tool): what is left is a
+            # ToolSpec made otherwise, or a schema jsonschema cannot apply.
+            log.info("tool %r: its schema could not be applied: %r", call.name, exc)
+            return f"tool {call.name!r} cannot check its arguments: its schema cannot be applied"
         if error is not None:
             where = "/".join(map(str, error.absolute_path)) or "arguments"
             return f"invalid arguments for tool {call.name!r}: {where}: {error.message}"

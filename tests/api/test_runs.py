@@ -12,10 +12,14 @@ import json
 import threading
 import time
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 from httpx_sse import connect_sse
+
+from shoal.runs.broker import Grant, ToolSpec
+from shoal.sandbox import ToolCall
 
 OUTPUT_CAP = 64 * 1024
 TOOL_WAIT_SECONDS = 3
@@ -238,6 +242,76 @@ def test_schema_invalid_arguments_fail_in_the_code_and_never_reach_the_client(ht
     assert "tool_call.required" not in names(events)
     assert "invalid arguments" in final(events)["stdout"]
     assert "7 is not of type 'string'" in final(events)["stdout"]
+
+
+@pytest.fixture
+def schema_host():
+    """A loopback HTTP server that serves a JSON schema and notes every request:
+    a host that followed a tool schema's $ref out of the schema would show here."""
+    requests: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            requests.append(self.path)
+            body = b'{"type": "string"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.requests = requests
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_tool_schema_that_refers_outside_itself_is_refused_and_never_fetched(
+        http, schema_host, tmp_path):
+    # jsonschema's default registry fetches any $ref it does not hold (http,
+    # https, file://): a client's tool schema would make the host call a URL of
+    # the client's choosing, or read one of its files.
+    url = f"http://127.0.0.1:{schema_host.server_port}/schema.json"
+    on_the_host = tmp_path / "schema.json"
+    on_the_host.write_text('{"type": "string"}')
+    for reference in (url, f"{url}#/definitions/q", on_the_host.as_uri(), "#/$defs/missing",
+                      "#/type"):  # the last one a keyword's value, not a schema
+        tool = {"type": "function", "name": "lookup",
+                "parameters": {"type": "object", "properties": {"q": {"$ref": reference}}}}
+        answer = http.post("/v1/code-execution/runs", json={
+            "code": "print(1)", "tools": [tool], "allowed_tools": ["lookup"]})
+        assert answer.status_code == 422, answer.text
+        message = answer.json()["error"]["message"]
+        assert reference in message and "does not point at a schema inside it" in message, message
+    # A ToolSpec that never met that check (made in code, not from a request)
+    # fails its call with a reason: the host still fetches nothing.
+    grant = Grant([ToolSpec("lookup", "", {"$ref": url})], ["lookup"])
+    refusal = grant.refusal(ToolCall("ref-1", "lookup", {"q": "x"}))
+    assert refusal is not None and "cannot check its arguments" in refusal, refusal
+    assert schema_host.requests == []
+    # References inside the schema resolve, and the host checks arguments against them.
+    tool = {"type": "function", "name": "lookup",
+            "parameters": {"type": "object", "properties": {"q": {"$ref": "#/$defs/query"}},
+                           "required": ["q"], "$defs": {"query": {"type": "string"}}}}
+    events = collect(http, answer=lambda call: f"found {call['arguments']['q']}",
+                     tools=[tool], allowed_tools=["lookup"],
+                     code=("try:\n    lookup(q=7)\nexcept ToolError as e:\n    print(e)\n"
+                           "print(lookup(q='x'))"))
+    stdout = final(events)["stdout"]
+    assert "7 is not of type 'string'" in stdout and "found x" in stdout, stdout
+    # One that resolves but goes round without end fails its call, not the broker.
+    looping = {"type": "function", "name": "lookup", "parameters": {"allOf": [{"$ref": "#"}]}}
+    events = collect(http, answer=lambda call: pytest.fail("the client was asked"),
+                     tools=[looping], allowed_tools=["lookup"],
+                     code="try:\n    lookup(q='x')\nexcept ToolError as e:\n    print(e)")
+    assert "refers to itself without end" in final(events)["stdout"], final(events)
 
 
 def test_a_result_that_never_comes_fails_the_call_after_the_wait_ceiling(http):
