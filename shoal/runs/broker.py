@@ -26,11 +26,7 @@ from urllib.parse import urlsplit
 from shoal.egress.policy import Allowlist
 
 import httpx
-import referencing
-import referencing.exceptions
-import referencing.jsonschema
-from jsonschema import exceptions as schema_exceptions
-from jsonschema import validators
+import jsonschema_rs
 
 from shoal.sandbox import ToolCall, ToolOutcome
 
@@ -38,16 +34,14 @@ log = logging.getLogger("shoal.tools")
 
 MAX_TOOLS = 128
 _MAX_DESCRIPTION = 16_384
-# The registry a tool's schema resolves its $refs in: one that retrieves
-# nothing. jsonschema's default registry fetches any URI it does not hold with
-# urlopen (http, https, file://), so a client's schema would make the host
-# call a URL the client chose, or read one of the host's files, each time code
-# called the tool. Declared schemas may refer only inside themselves
-# (_unresolved_reference).
-_NO_RETRIEVAL = referencing.Registry()
-# Keywords whose values are data, not subschemas: a "$ref" key inside them is
-# just a key.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Schemas come from the client and arguments from code in a sandbox, so the
+# validator must be safe with both. jsonschema_rs, offline, retrieves nothing a
+# $ref or $schema names outside the schema (jsonschema's default registry
+# fetched any URI with urlopen: the host calling a URL the client chose, or
+# reading one of its files, each time code called the tool), and its regex
+# engine is bounded (Python's re took minutes on "^(a+)+$" against 40
+# characters, with the event loop, and so every tenant, waiting).
+_PATTERNS = jsonschema_rs.FancyRegexOptions(backtrack_limit=100_000)
 
 
 class InvalidTools(ValueError):
@@ -87,53 +81,17 @@ def normalise_tool(raw: object) -> ToolSpec:
     parameters = body.get("parameters", body.get("input_schema")) or {"type": "object"}
     if not isinstance(parameters, dict):
         raise InvalidTools(f"tool {name!r}: parameters must be a JSON schema object")
-    try:
-        validators.validator_for(parameters).check_schema(parameters)
-    except schema_exceptions.SchemaError as exc:
-        raise InvalidTools(f"tool {name!r}: parameters is not a valid JSON schema: "
-                           f"{exc.message}") from None
-    unresolved = _unresolved_reference(parameters)
-    if unresolved is not None:
-        raise InvalidTools(f"tool {name!r}: parameters has a $ref that does not point at a "
-                           f"schema inside it: {unresolved[:200]!r} (references to other "
-                           "documents are not followed)")
+    _validator(name, parameters)  # checked against its metaschema, every $ref resolved
     return ToolSpec(name, description, parameters)
 
 
-def _validator(schema: dict):
-    """The schema's validator, resolving references only within the schema."""
-    return validators.validator_for(schema)(schema, registry=_NO_RETRIEVAL)
-
-
-def _unresolved_reference(schema: dict) -> str | None:
-    """The first $ref (or $dynamicRef) that does not resolve to a schema inside
-    ``schema``, each looked up from the base its subschema's $id sets, as
-    validation would; None when all do. Refused at declaration, a tool never
-    fails at its call for a reference its schema cannot follow."""
-    specification = referencing.jsonschema.DRAFT202012.detect(schema)
-    root = specification.create_resource(schema)
-    pending = [(schema, _NO_RETRIEVAL.resolver_with_root(root))]
-    while pending:
-        node, resolver = pending.pop()
-        if isinstance(node, list):
-            pending.extend((item, resolver) for item in node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        if node is not schema and specification.id_of(node) is not None:
-            resolver = resolver.in_subresource(specification.create_resource(node))
-        for keyword in ("$ref", "$dynamicRef"):
-            reference = node.get(keyword)
-            if isinstance(reference, str):
-                try:
-                    target = resolver.lookup(reference).contents
-                except referencing.exceptions.Unresolvable:
-                    return reference
-                if not isinstance(target, (dict, bool)):
-                    return reference  # a keyword's value, say, not a schema
-        pending.extend((value, resolver) for key, value in node.items()
-                       if key not in _DATA_KEYWORDS)
-    return None
+def _validator(name: str, schema: dict) -> jsonschema_rs.Validator:
+    try:
+        return jsonschema_rs.validator_for(schema, offline=True, pattern_options=_PATTERNS)
+    except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError, ValueError) as exc:
+        reason = (getattr(exc, "message", None) or str(exc) or type(exc).__name__)
+        raise InvalidTools(f"tool {name!r}: parameters is not a usable JSON schema: "
+                           f"{reason.splitlines()[0][:300]}") from None
 
 
 class Grant:
@@ -151,7 +109,8 @@ class Grant:
             raise InvalidTools(f"allowed_tools names tools that are not declared: "
                                f"{', '.join(map(repr, unknown))}")
         self.tools = [declared[name] for name in dict.fromkeys(allowed)]
-        self._validators = {tool.name: _validator(tool.parameters) for tool in self.tools}
+        self._validators = {tool.name: _validator(tool.name, tool.parameters)
+                            for tool in self.tools}
 
     @property
     def names(self) -> list[str]:
@@ -167,18 +126,10 @@ class Grant:
             return f"tool {call.name!r} is not allowed in this run"
         try:
             error = next(iter(validator.iter_errors(call.arguments)), None)
-        except RecursionError:
-            # A schema whose references go round without descending into the
-            # arguments ({"$ref": "#"} at its root, say) never finishes.
-            return (f"tool {call.name!r} cannot check its arguments: its schema refers to "
-                    "itself without end")
-        except Exception as exc:  # noqa: BLE001 - the client's schema fails its call only
-            # Declared schemas are checked (normalise_tool): what is left is a
-            # ToolSpec made otherwise, or a schema jsonschema cannot apply.
-            log.info("tool %r: its schema could not be applied: %r", call.name, exc)
-            return f"tool {call.name!r} cannot check its arguments: its schema cannot be applied"
+        except Exception as exc:  # noqa: BLE001 - arguments no schema can check fail the call
+            return f"invalid arguments for tool {call.name!r}: they cannot be checked: {exc}"
         if error is not None:
-            where = "/".join(map(str, error.absolute_path)) or "arguments"
+            where = "/".join(map(str, error.instance_path)) or "arguments"
             return f"invalid arguments for tool {call.name!r}: {where}: {error.message}"
         return None
 

@@ -18,8 +18,7 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
-from shoal.runs.broker import Grant, ToolSpec
-from shoal.sandbox import ToolCall
+from shoal.runs.broker import Grant, InvalidTools, ToolSpec
 
 OUTPUT_CAP = 64 * 1024
 TOOL_WAIT_SECONDS = 3
@@ -241,7 +240,7 @@ def test_schema_invalid_arguments_fail_in_the_code_and_never_reach_the_client(ht
                      code="try:\n    advanced_query(sql=7)\nexcept ToolError as e:\n    print(e)")
     assert "tool_call.required" not in names(events)
     assert "invalid arguments" in final(events)["stdout"]
-    assert "7 is not of type 'string'" in final(events)["stdout"]
+    assert '7 is not of type "string"' in final(events)["stdout"]
 
 
 @pytest.fixture
@@ -275,26 +274,30 @@ def schema_host():
 
 def test_a_tool_schema_that_refers_outside_itself_is_refused_and_never_fetched(
         http, schema_host, tmp_path):
-    # jsonschema's default registry fetches any $ref it does not hold (http,
-    # https, file://): a client's tool schema would make the host call a URL of
-    # the client's choosing, or read one of its files.
+    # jsonschema's default registry fetched any $ref or $schema it did not hold
+    # (http, https, file://): a client's tool schema made the host call a URL of
+    # the client's choosing, or read one of its files, at each call of the tool.
     url = f"http://127.0.0.1:{schema_host.server_port}/schema.json"
     on_the_host = tmp_path / "schema.json"
     on_the_host.write_text('{"type": "string"}')
-    for reference in (url, f"{url}#/definitions/q", on_the_host.as_uri(), "#/$defs/missing",
-                      "#/type"):  # the last one a keyword's value, not a schema
+    for reference, why in ((url, "retriev"), (f"{url}#/definitions/q", "retriev"),
+                           (on_the_host.as_uri(), "retriev"), ("#/$defs/missing", "does not exist"),
+                           ("#/type", "is not of type")):  # the last a keyword's value
         tool = {"type": "function", "name": "lookup",
                 "parameters": {"type": "object", "properties": {"q": {"$ref": reference}}}}
         answer = http.post("/v1/code-execution/runs", json={
             "code": "print(1)", "tools": [tool], "allowed_tools": ["lookup"]})
         assert answer.status_code == 422, answer.text
         message = answer.json()["error"]["message"]
-        assert reference in message and "does not point at a schema inside it" in message, message
-    # A ToolSpec that never met that check (made in code, not from a request)
-    # fails its call with a reason: the host still fetches nothing.
-    grant = Grant([ToolSpec("lookup", "", {"$ref": url})], ["lookup"])
-    refusal = grant.refusal(ToolCall("ref-1", "lookup", {"q": "x"}))
-    assert refusal is not None and "cannot check its arguments" in refusal, refusal
+        assert "not a usable JSON schema" in message and why in message, message
+    meta = {"type": "function", "name": "lookup",
+            "parameters": {"$schema": f"{url}#", "type": "object"}}
+    answer = http.post("/v1/code-execution/runs", json={
+        "code": "print(1)", "tools": [meta], "allowed_tools": ["lookup"]})
+    assert answer.status_code == 422 and "meta-schema" in answer.text, answer.text
+    # A ToolSpec made in code, not from a request, is held to the same.
+    with pytest.raises(InvalidTools):
+        Grant([ToolSpec("lookup", "", {"$ref": url})], ["lookup"])
     assert schema_host.requests == []
     # References inside the schema resolve, and the host checks arguments against them.
     tool = {"type": "function", "name": "lookup",
@@ -305,13 +308,29 @@ def test_a_tool_schema_that_refers_outside_itself_is_refused_and_never_fetched(
                      code=("try:\n    lookup(q=7)\nexcept ToolError as e:\n    print(e)\n"
                            "print(lookup(q='x'))"))
     stdout = final(events)["stdout"]
-    assert "7 is not of type 'string'" in stdout and "found x" in stdout, stdout
-    # One that resolves but goes round without end fails its call, not the broker.
-    looping = {"type": "function", "name": "lookup", "parameters": {"allOf": [{"$ref": "#"}]}}
-    events = collect(http, answer=lambda call: pytest.fail("the client was asked"),
-                     tools=[looping], allowed_tools=["lookup"],
-                     code="try:\n    lookup(q='x')\nexcept ToolError as e:\n    print(e)")
-    assert "refers to itself without end" in final(events)["stdout"], final(events)
+    assert '7 is not of type "string"' in stdout and "found x" in stdout, stdout
+
+
+def test_a_tool_pattern_cannot_hold_the_server(http):
+    # Python's re backtracks exponentially on this pattern: 40 characters took
+    # it minutes, holding the event loop, and so every tenant's requests.
+    tool = {"type": "function", "name": "lookup",
+            "parameters": {"type": "object", "properties": {
+                "q": {"type": "string", "pattern": "^(a+)+(?=!)b$"}}}}
+    done = []
+
+    def call() -> None:
+        done.append(collect(http, answer=lambda call: pytest.fail("the client was asked"),
+                            tools=[tool], allowed_tools=["lookup"],
+                            code=("try:\n    lookup(q='a' * 40 + '!')\n"
+                                  "except ToolError as e:\n    print(e)")))
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    caller.join(30)
+    assert done, "the call did not finish"
+    assert "does not match" in final(done[0])["stdout"], final(done[0])
+    assert http.get("/health").status_code == 200
 
 
 def test_a_result_that_never_comes_fails_the_call_after_the_wait_ceiling(http):
