@@ -312,8 +312,8 @@ def test_a_tool_schema_that_refers_outside_itself_is_refused_and_never_fetched(
 
 
 def test_a_tool_pattern_cannot_hold_the_server(http):
-    # Python's re backtracks exponentially on this pattern: 40 characters took
-    # it minutes, holding the event loop, and so every tenant's requests.
+    # Python's re backtracks exponentially on this pattern: at 40 characters it
+    # would take hours, holding the event loop, and so every tenant's requests.
     tool = {"type": "function", "name": "lookup",
             "parameters": {"type": "object", "properties": {
                 "q": {"type": "string", "pattern": "^(a+)+(?=!)b$"}}}}
