@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from shoal.runs import Run, RunRequest, normalise_tool
+from shoal.runs import Grant, Run, RunRequest, ToolSpec, normalise_tool
 from shoal.runs.broker import InvalidTools
 from shoal.runs.manager import DEFAULT_TIMEOUT_MS, MAX_TIMEOUT_MS
 from shoal.sessions import ContainerFile
@@ -84,6 +84,8 @@ class ResponsesRequest:
     items: list[dict]
     previous_response_id: str | None
     store: bool
+    # The function tools Caronte's code may call (its allowed_tools), checked.
+    code_tools: list[ToolSpec] = field(default_factory=list)
 
 
 def parse_request(body: dict) -> ResponsesRequest | None:
@@ -127,6 +129,7 @@ def parse_request(body: dict) -> ResponsesRequest | None:
         if tool.get("name") in UPSTREAM_TOOLS:
             raise InvalidResponsesRequest(f"a function tool named {tool.get('name')!r} clashes with "
                                           "the code tool", "tools")
+    code_tools = _code_tools(function_tools, (caronte or {}).get("allowed_tools") or [])
     raw = body.get("input")
     if isinstance(raw, str):
         items = [{"type": "message", "role": "user", "content": raw}]
@@ -144,7 +147,23 @@ def parse_request(body: dict) -> ResponsesRequest | None:
                             include_outputs=isinstance(include, list) and INCLUDE_OUTPUTS in include,
                             code_interpreter=interpreter, caronte=caronte,
                             function_tools=function_tools, items=items,
-                            previous_response_id=previous, store=body.get("store") is not False)
+                            previous_response_id=previous, store=body.get("store") is not False,
+                            code_tools=code_tools)
+
+
+def _code_tools(function_tools: list[dict], allowed: list[str]) -> list[ToolSpec]:
+    """The tools ``allowed_tools`` lets Caronte's code call, each schema usable by
+    the host's broker (which checks every call's arguments against it): refused
+    with the request, before the model is asked, not as a failed run it cannot
+    fix. The model's own tools are the model's: their schemas are not ours to judge."""
+    if not allowed:
+        return []
+    try:
+        tools = [normalise_tool(tool) for tool in function_tools if tool.get("name") in allowed]
+        Grant(tools, allowed)  # every allowed name declared, once
+    except InvalidTools as exc:
+        raise InvalidResponsesRequest(f"{CARONTE}.allowed_tools: {exc}", "tools") from None
+    return tools
 
 
 def upstream_items(items: list[dict]) -> list[dict]:
@@ -355,12 +374,9 @@ class OpenAIAdapter:
         arguments = {**arguments, "language": language, "timeout_ms": min(timeout, MAX_TIMEOUT_MS)}
         marker = self.request.caronte or {}
         container = await self._containers("caronte", marker)
-        try:
-            tools = [normalise_tool(tool) for tool in self.request.function_tools]
-        except InvalidTools as exc:
-            return _Refusal(str(exc))
         first = self.conversation.caronte_container is None
-        return RunRequest(language=arguments["language"], code=arguments["code"], tools=tools,
+        return RunRequest(language=arguments["language"], code=arguments["code"],
+                          tools=list(self.request.code_tools),
                           allowed_tools=list(marker.get("allowed_tools") or []),
                           container_id=container.id if container else None,
                           file_ids=list(marker.get("file_ids") or []) if first else [],

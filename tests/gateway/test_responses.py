@@ -999,6 +999,49 @@ def test_bad_tool_config_is_a_bad_request(upstream, openai_client, tool):
     assert upstream.requests == []
 
 
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": {"sku": {"$ref": "http://127.0.0.1:9/schema.json"}}},
+    {"type": "object", "properties": {"sku": {"$ref": "#/$defs/missing"}}},
+    {"$schema": "http://127.0.0.1:9/meta#", "type": "object"},
+    {"type": "object", "properties": {"sku": {"type": "strin"}}},
+], ids=["remote-ref", "missing-ref", "unknown-metaschema", "not-a-schema"])
+def test_an_allowed_tool_with_an_unusable_schema_is_a_bad_request(upstream, openai_client, parameters):
+    # The host checks each inner call's arguments against the tool's schema: one it
+    # cannot use (or would have to fetch) is refused with the request, before the
+    # model is asked, as the runs API refuses it (tests/api/test_runs.py).
+    tool = {**PRICE_TOOL, "parameters": parameters}
+    upstream.script(openai_turn(function_call("code_execution", {"code": "print(1)"})),
+                    openai_turn(message("ok")))
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client.responses.create(model=MODEL, input="hi", tools=[
+            tool, {"type": "caronte:code_execution", "allowed_tools": ["lookup_price"]}])
+
+    error = raised.value
+    assert error.param == "tools" and error.type == "invalid_request_error", error.body
+    assert "lookup_price" in error.body["message"], error.body
+    assert upstream.requests == []
+
+
+def test_a_tool_only_the_model_calls_keeps_its_schema_to_itself(upstream, openai_client):
+    # Only allowed tools get stubs and a host-side check; another tool's schema is
+    # between the client and the model, and does not stop the code from running.
+    odd = {**STOCK_TOOL, "parameters": {"type": "object", "properties": {"sku": {"type": "strin"}}}}
+    upstream.script(openai_turn(function_call("code_execution", {"code": "print('ran')"})),
+                    openai_turn(message("ok")))
+    openai_client.responses.create(model=MODEL, input="hi", tools=[
+        odd, PRICE_TOOL, {"type": "caronte:code_execution", "allowed_tools": ["lookup_price"]}])
+    result = caronte_result(upstream, 1)
+    assert result["status"] == "completed" and result["stdout"] == "ran\n", result
+
+
+def test_allowed_tools_naming_an_undeclared_tool_is_a_bad_request(upstream, openai_client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client.responses.create(model=MODEL, input="hi", tools=[
+            PRICE_TOOL, {"type": "caronte:code_execution", "allowed_tools": ["lookup_stock"]}])
+    assert raised.value.param == "tools" and "lookup_stock" in raised.value.body["message"]
+    assert upstream.requests == []
+
+
 def test_missing_container_is_not_found(upstream, openai_client):
     with pytest.raises(openai.NotFoundError) as raised:
         openai_client.responses.create(model=MODEL, input="hi",
