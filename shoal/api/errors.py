@@ -28,6 +28,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
+from shoal.gateway.anthropic import InvalidMessagesRequest
+from shoal.gateway.openai import InvalidResponsesRequest
 from shoal.gateway.service import UnknownResponse
 from shoal.runs import CallbackNotAllowed, InvalidTools, RunConflict, UnknownRun, UnknownToolCall
 from shoal.sandbox import DiskFull, PoolBusy, UidsExhausted
@@ -115,10 +117,13 @@ def error_body(dialect: str, status: int, detail: object, request_id: str | None
                param: str | None = None, code: str | None = None) -> dict:
     if dialect == OPENAI:
         body = {"error": {"message": _message(detail),
-                          "type": _OPENAI_TYPES.get(status, "server_error"),
+                          "type": _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500
+                                                    else "server_error"),
                           "param": param, "code": code or _OPENAI_CODES.get(status)}}
     elif dialect == ANTHROPIC:
-        body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
+        # Any other 4xx (a 405, a 408) is the client's to fix, not the server's.
+        kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        body = {"type": "error", "error": {"type": kind,
                                            "message": _message(detail)}}
     else:
         body = {"detail": detail}
@@ -171,6 +176,14 @@ def install(app: FastAPI) -> None:
         return error_response(request, exc.status, exc.detail, param=exc.param, code=exc.code)
 
     handler(UnknownSession, 404)()
+    # The routers turn these into 400s where they parse; a check that runs later
+    # (preparing the loop) must not make the client's mistake a 500.
+    handler(InvalidMessagesRequest, 400)()
+
+    @handler(InvalidResponsesRequest)
+    def _responses_request(request: Request, exc: InvalidResponsesRequest):
+        return error_response(request, 400, str(exc), param=exc.param)
+
     handler(UnknownContainer, 404)()
 
     @handler(ContainerElsewhere)

@@ -18,6 +18,7 @@ loop's turns, our tool calls renamed, results rendered in Anthropic's types).
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 import secrets
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from datetime import datetime, timezone
 from typing import AsyncIterator
 
 from shoal.runs import Run, RunRequest
+from shoal.runs.manager import MAX_TIMEOUT_MS
 from shoal.sandbox.mounts import OPENAI_DATA, OUTPUTS, SKILLS, UPLOADS, WORKSPACE
 from shoal.sessions import scoped_file_id
 from shoal.storage import ContainerRecord
@@ -111,9 +113,11 @@ def parse_request(body: dict) -> MessagesRequest | None:
     tools = body.get("tools")
     if not isinstance(tools, list):
         return None
-    ours = [tool for tool in tools if isinstance(tool, dict) and tool.get("type") in CODE_TOOL_TYPES]
+    ours = [tool for tool in tools if isinstance(tool, dict) and isinstance(tool.get("type"), str)
+            and tool["type"] in CODE_TOOL_TYPES]
     if not ours:
-        return None
+        return None  # not ours to judge: the upstream answers it as it would
+    _check_shapes(tools, body.get("messages"))
     if len(ours) > 1:
         raise InvalidMessagesRequest("give at most one code execution tool")
     mode = CODE_TOOL_TYPES[ours[0]["type"]]
@@ -148,6 +152,39 @@ def parse_request(body: dict) -> MessagesRequest | None:
     stream = body.get("stream") is True
     return MessagesRequest(body=body, mode=mode, stream=stream, container_id=container,
                            skills=skills, uploads=uploads, code_tools=code_tools)
+
+
+# Block fields the loop looks values up by: a client's list or object there must
+# be its 400, not the server's TypeError.
+_STRING_FIELDS = ("type", "id", "name", "tool_use_id", "file_id")
+
+
+def _check_shapes(tools: list, messages: object) -> None:
+    """What the loop reads of the request has the types it reads them as."""
+    for tool in tools:
+        if not isinstance(tool, dict):
+            raise InvalidMessagesRequest("each tool must be an object")
+        for key in ("type", "name"):
+            if tool.get(key) is not None and not isinstance(tool[key], str):
+                raise InvalidMessagesRequest(f"a tool's {key} must be a string")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidMessagesRequest("messages must be a non-empty list")
+    for index, message in enumerate(messages):
+        where = f"messages.{index}"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise InvalidMessagesRequest(f"{where}: each message needs a role, user or assistant")
+        content = message.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise InvalidMessagesRequest(f"{where}.content must be a string or a list of blocks")
+        for number, block in enumerate(content):
+            if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+                raise InvalidMessagesRequest(f"{where}.content.{number}: each block must be an "
+                                             "object with a string type")
+            for key in _STRING_FIELDS:
+                if block.get(key) is not None and not isinstance(block[key], str):
+                    raise InvalidMessagesRequest(f"{where}.content.{number}.{key} must be a string")
 
 
 def _blocks(content: object) -> list[dict]:
@@ -377,10 +414,13 @@ class AnthropicAdapter:
             if not isinstance(command, str) or (not command.strip() and not restart):
                 return _Refusal("invalid_tool_input", "command is required and must be a string")
             timeout = arguments.get("timeout", DEFAULT_BASH_TIMEOUT)
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                    or not 0 < timeout < math.inf):
                 return _Refusal("invalid_tool_input", "timeout must be a positive number of seconds")
+            # The run clamps to its ceiling; a model's 1e308 must reach it as a number.
+            timeout_ms = int(min(timeout, MAX_TIMEOUT_MS / 1000) * 1000)
             return RunRequest(language="bash", code=command or "true", container_id=container,
-                              timeout_ms=int(timeout * 1000), caronte_files=False, restart=restart)
+                              timeout_ms=max(1, timeout_ms), caronte_files=False, restart=restart)
         if use.name == EDITOR:
             refusal = _check_editor(arguments)
             if refusal is not None:

@@ -95,7 +95,12 @@ def parse_request(body: dict) -> ResponsesRequest | None:
         return None
     kinds = [tool.get("type") for tool in tools if isinstance(tool, dict)]
     if CODE_INTERPRETER not in kinds and CARONTE not in kinds:
-        return None
+        return None  # not ours to judge: the upstream answers it as it would
+    for tool in tools:  # what the loop reads of the tools has the types it reads
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise InvalidResponsesRequest("each tool must be an object with a string type", "tools")
+        if tool.get("name") is not None and not isinstance(tool["name"], str):
+            raise InvalidResponsesRequest("a tool's name must be a string", "tools")
     if kinds.count(CODE_INTERPRETER) > 1 or kinds.count(CARONTE) > 1:
         raise InvalidResponsesRequest("give each code tool at most once", "tools")
     interpreter = next((t for t in tools if t.get("type") == CODE_INTERPRETER), None)
@@ -112,6 +117,11 @@ def parse_request(body: dict) -> ResponsesRequest | None:
                 check_network_policy(container.get("network_policy"))
             except InvalidNetworkPolicy as exc:
                 raise InvalidResponsesRequest(str(exc), "tools") from None
+            file_ids = container.get("file_ids")
+            if file_ids is not None and not (isinstance(file_ids, list)
+                                             and all(isinstance(f, str) for f in file_ids)):
+                raise InvalidResponsesRequest("code_interpreter.container.file_ids must be a "
+                                              "list of file ids", "tools")
         elif not isinstance(container, str) or not container:
             raise InvalidResponsesRequest("code_interpreter.container must be a container id "
                                           "or {\"type\": \"auto\"}", "tools")
@@ -176,8 +186,9 @@ def upstream_items(items: list[dict]) -> list[dict]:
             call_id = str(item.get("id") or "ci_" + secrets.token_hex(8))
             mapped.append({"type": "function_call", "call_id": call_id, "name": CI_FUNCTION,
                            "arguments": json.dumps({"code": item.get("code") or ""})})
-            logs = "".join(o.get("logs", "") for o in item.get("outputs") or []
-                           if isinstance(o, dict) and o.get("type") == "logs")
+            outputs = item.get("outputs") if isinstance(item.get("outputs"), list) else []
+            logs = "".join(o["logs"] for o in outputs if isinstance(o, dict)
+                           and o.get("type") == "logs" and isinstance(o.get("logs"), str))
             mapped.append({"type": "function_call_output", "call_id": call_id,
                            "output": logs or "(the call's output was not sent back)"})
         elif kind == "message" and item.get("role") == "assistant" and isinstance(

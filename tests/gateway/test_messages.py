@@ -433,6 +433,65 @@ def test_bad_requests_are_anthropic_errors(anthropic_client, gateway):
         ask(anthropic_client, tools=(TOOL, {"name": "bash_code_execution", "input_schema": {"type": "object"}}))
 
 
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("tools, messages", [
+    ([TOOL, "x"], [USER]),
+    ([TOOL, {"type": "custom", "name": []}], [USER]),
+    ([TOOL], [{"role": "user", "content": [{"type": "container_upload", "file_id": []}]}]),
+    ([TOOL], [USER, {"role": "assistant", "content": [{"type": []}]}]),
+    ([TOOL], [USER, {"role": "assistant", "content": [
+        {"type": "server_tool_use", "id": "srvtoolu_1", "name": [], "input": {}}]}]),
+    ([TOOL], [USER, {"role": "assistant", "content": [
+        {"type": "bash_code_execution_tool_result", "tool_use_id": [], "content": {}}]}]),
+    ([TOOL], [{"role": "system", "content": "x"}]),
+    ([TOOL], [{"role": "user", "content": 5}]),
+    ([TOOL], [{"role": "user", "content": ["text"]}]),
+], ids=["tool-not-an-object", "tool-name-a-list", "upload-id-a-list", "block-type-a-list",
+        "tool-use-name-a-list", "result-id-a-list", "system-role", "content-a-number",
+        "block-not-an-object"])
+def test_malformed_requests_are_anthropic_400s(gateway, upstream, tools, messages):
+    # Each was a 500 ("internal error") with a traceback: the loop read a field as
+    # the type it expected. /validate and /v1/messages must agree.
+    headers = {"Authorization": f"Bearer {CLIENT_TOKEN}"}
+    body = {"model": "m", "max_tokens": 8, "tools": tools, "messages": messages}
+    for path in ("/v1/messages", "/v1/messages/validate", "/api/gpt/v1/messages"):
+        answer = httpx.post(f"{gateway.url}{path}", json=body, headers=headers)
+        assert answer.status_code == 400, (path, answer.text)
+        error = answer.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error", error
+        assert error["error"]["message"] and error["request_id"], error
+    assert upstream.requests == []
+
+
+def test_a_tool_type_no_one_knows_still_passes_through(anthropic_client, upstream, gateway):
+    # Without a code tool the request is the upstream's to judge, malformed or not.
+    upstream.script(anthropic_turn(text("fine")))
+    answer = httpx.post(f"{gateway.url}/v1/messages", headers={"Authorization": f"Bearer {CLIENT_TOKEN}"},
+                        json={"model": "m", "max_tokens": 8, "tools": [{"type": []}],
+                              "messages": [USER]})
+    assert answer.status_code == 200, answer.text
+    assert len(upstream.requests) == 1
+
+
+def test_a_model_asking_for_an_endless_timeout_gets_the_ceiling(anthropic_client, upstream):
+    upstream.script(anthropic_turn(bash("echo hi", timeout=1e308)),
+                    anthropic_turn(text("done")))
+    message = ask(anthropic_client)
+    assert message.content[-1].text == "done"
+    assert last_result(upstream.requests[1].body)["stdout"] == "hi\n"
+
+
+def test_a_wrong_method_is_the_clients_error(gateway):
+    for method in ("GET", "PUT"):
+        answer = httpx.request(method, f"{gateway.url}/v1/messages",
+                               headers={"Authorization": f"Bearer {CLIENT_TOKEN}",
+                                        "anthropic-version": "2023-06-01"})
+        assert answer.status_code == 405
+        assert answer.json()["error"]["type"] == "invalid_request_error", answer.text
+
+
 def test_validate_runs_nothing(anthropic_client, upstream, gateway):
     headers = {"Authorization": f"Bearer {CLIENT_TOKEN}"}
     body = {"model": "default", "max_tokens": 64, "tools": [ZYLON],

@@ -1042,6 +1042,42 @@ def test_allowed_tools_naming_an_undeclared_tool_is_a_bad_request(upstream, open
     assert upstream.requests == []
 
 
+@pytest.mark.parametrize("tools, items", [
+    ([CI_AUTO, "x"], None),
+    ([CI_AUTO, {"type": "function", "name": []}], None),
+    ([{"type": "code_interpreter", "container": {"type": "auto", "file_ids": 5}}], None),
+    ([{"type": "code_interpreter", "container": {"type": "auto", "file_ids": [{}]}}], None),
+], ids=["tool-not-an-object", "function-name-a-list", "file-ids-a-number", "file-id-an-object"])
+def test_malformed_requests_are_openai_400s(upstream, http, tools, items):
+    # Each was a 500 ("internal error") with a traceback.
+    answer = http.post("/v1/responses", json={"model": MODEL, "input": items or "hi", "tools": tools})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "tools", error
+    assert upstream.requests == []
+
+
+def test_sent_back_interpreter_calls_of_odd_shapes_are_read_as_far_as_they_go(upstream, openai_client):
+    # A client's history is replayed to the model: outputs that are not a list of
+    # logs are left out rather than failing the request.
+    upstream.script(openai_turn(message("ok")))
+    odd = [{"type": "code_interpreter_call", "id": "ci_1", "code": "1", "outputs": 5},
+           {"type": "code_interpreter_call", "id": "ci_2", "code": "2",
+            "outputs": [{"type": "logs", "logs": 5}, "x"]},
+           {"role": "user", "content": "hi"}]
+    response = openai_client.responses.create(model=MODEL, input=odd, tools=[CI_AUTO])
+    assert response.output_text == "ok"
+    sent = [item for item in upstream.requests[0].body["input"] if item.get("type") == "function_call_output"]
+    assert [item["output"] for item in sent] == ["(the call's output was not sent back)"] * 2
+
+
+def test_a_wrong_method_is_the_clients_error_in_openai_shape(http):
+    for method in ("GET", "PATCH"):
+        answer = http.request(method, "/v1/responses")
+        assert answer.status_code == 405
+        assert answer.json()["error"]["type"] == "invalid_request_error", answer.text
+
+
 def test_missing_container_is_not_found(upstream, openai_client):
     with pytest.raises(openai.NotFoundError) as raised:
         openai_client.responses.create(model=MODEL, input="hi",
