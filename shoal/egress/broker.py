@@ -295,9 +295,11 @@ def new_socket_dir(run_dir: Path) -> Path:
 
 # -- helpers ------------------------------------------------------------------------------------
 def _peer_uid(sock) -> int | None:
+    # struct ucred is {pid_t, uid_t, gid_t}: uid and gid are unsigned, and a
+    # sandbox uid past 2**31 read as signed matched no grant.
     try:
-        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                       struct.calcsize("3i")))
+        _, uid, _ = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                       struct.calcsize("iII")))
     except (OSError, AttributeError):
         return None
     return uid

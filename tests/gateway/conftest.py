@@ -45,13 +45,14 @@ def gateway_factory(tmp_path_factory, upstream_server):
     """Start gateway servers with extra settings; all are stopped at the end."""
     started: list[Server] = []
 
-    def start(**settings) -> Server:
+    def start(uid_base: int | None = None, **settings) -> Server:
         defaults = {"upstream_anthropic_url": upstream_server.url,
                     "upstream_anthropic_key": OPERATOR_KEY,
                     "upstream_openai_url": upstream_server.url,
                     "upstream_openai_key": OPERATOR_KEY,
                     "tokens": TOKENS, "pool_size": 1}
-        server = start_server(tmp_path_factory.mktemp("gateway"), next(_uid_bases),
+        base = next(_uid_bases) if uid_base is None else uid_base
+        server = start_server(tmp_path_factory.mktemp("gateway"), base,
                               **{**defaults, **settings})
         started.append(server)
         return server

@@ -28,6 +28,7 @@ from httpx_sse import connect_sse
 
 from tests.gateway.conftest import CLIENT_TOKEN, OPERATOR_KEY
 from tests.gateway.scripted_upstream import anthropic_turn, text, tool_use
+from tests.uid_slots import OFFSET
 
 TOOL = {"type": "code_execution_20250825", "name": "code_execution"}
 SECRET_VALUE = "real-secret-value-7d1c"
@@ -141,6 +142,34 @@ def test_an_allowed_service_is_reached_from_python_curl_and_bun(egress_server, s
                               ".then(t => process.stdout.write(t))\"")
         assert (node.get("stdout"), node.get("stderr")) == ("hello from allowed\n", ""), node
     assert len(allowed.seen) == 6
+
+
+def test_sandboxes_whose_host_uids_pass_two_to_the_31st_get_their_grants(gateway_factory, services):
+    # The broker read SO_PEERCRED's uid as a signed int: past 2**31 it came out
+    # negative, matched no grant, and every connection was refused. Such uids are
+    # valid (Linux takes up to 2**32 - 2) and an operator's --uid-base may give them.
+    # 2**31 + 1M + …: a region no suite uses in any uid slot (tests/uid_slots.py).
+    allowed, _ = services
+    high = 2**31 + 1_000_000 + (os.getpid() % 1000) * 10_000
+    server = gateway_factory(uid_base=high - OFFSET, egress_allow=f"127.0.0.1:{allowed.port}")
+    with server.client(CLIENT_TOKEN) as http:
+        box = _container(http)
+        answer = _sh(http, box, f"{DIRECT} curl -sS --max-time 20 http://127.0.0.1:{allowed.port}/high")
+        assert (answer.get("exit_code"), answer.get("stdout")) == (0, "hello from allowed\n"), answer
+        assert _host_uids_at_or_above(high), "no sandbox ran under a uid past 2**31"
+    assert allowed.seen[-1]["path"] == "/high"
+
+
+def _host_uids_at_or_above(floor: int) -> list[int]:
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            real = int(status.read_text().split("Uid:")[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            continue
+        if floor <= real < floor + 10_000:
+            found.append(real)
+    return found
 
 
 def test_what_the_operator_did_not_allow_is_refused(egress_server, services):
