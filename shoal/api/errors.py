@@ -113,6 +113,11 @@ def _message(detail: object) -> str:
     return str(detail)
 
 
+def openai_code(status: int) -> str:
+    """The ``code`` of OpenAI's error object for a status."""
+    return _OPENAI_CODES.get(status) or ("invalid_request" if status < 500 else "server_error")
+
+
 def error_body(dialect: str, status: int, detail: object, request_id: str | None = None,
                param: str | None = None, code: str | None = None) -> dict:
     if dialect == OPENAI:
@@ -149,8 +154,25 @@ def error_response(request: Request | None, status: int, detail: object,
                         status_code=status, headers=headers)
 
 
+# The failures a stream that has begun can still name (its status is sent): an
+# exception type, its status, and the message if not the exception's own.
+_KNOWN: dict[type, tuple[int, str | None]] = {}
+
+
+def known_failure(exc: BaseException) -> tuple[int, str] | None:
+    """The status and words a handler gives ``exc``, or None for a server bug."""
+    for kind in type(exc).__mro__:
+        if kind in _KNOWN:
+            status, message = _KNOWN[kind]
+            return status, message or str(exc)
+    return None
+
+
 def install(app: FastAPI) -> None:
     def handler(exception: type, status: int | None = None, message: str | None = None):
+        if status is not None:
+            _KNOWN[exception] = (status, message)
+
         def register(function=None):
             async def render(request: Request, exc: Exception):
                 if function is not None:
@@ -208,6 +230,7 @@ def install(app: FastAPI) -> None:
                         extra={"resource": type(exc).__name__, "status": status})
             return error_response(request, status, message or str(exc))
         handler(exception)(render)
+        _KNOWN[exception] = (status, message)
 
     exhausted(AtCapacity, 503)
     exhausted(PoolBusy, 503)

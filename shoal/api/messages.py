@@ -21,7 +21,7 @@ from shoal.gateway.anthropic import InvalidMessagesRequest, parse_request
 from ._bodies import read_json_object
 from ._responses import json_response
 from .auth import tenant_of
-from .errors import ANTHROPIC, BadRequest, error_body, request_id_of
+from .errors import ANTHROPIC, BadRequest, error_body, known_failure, request_id_of
 from .schemas import (MESSAGE_EVENTS, MESSAGES_ERRORS, Message, MessagesRequest,
                       MessagesValidation, request_body)
 
@@ -119,9 +119,14 @@ async def _stream(first: bytes | None, iterator, request_id: str | None) -> Asyn
         body = exc.body if isinstance(exc.body, dict) and exc.body.get("type") == "error" else (
             error_body(ANTHROPIC, exc.status, exc.message))
         yield _event("error", {**body, "request_id": request_id})
-    except Exception:  # noqa: BLE001 - the stream says so instead of breaking off
-        log.exception("the tool loop failed mid-stream")
-        yield _event("error", error_body(ANTHROPIC, 500, "internal error", request_id))
+    except Exception as exc:  # noqa: BLE001 - the stream says so instead of breaking off
+        known = known_failure(exc)
+        if known is None:
+            log.exception("the tool loop failed mid-stream")
+            known = (500, "internal error")
+        else:
+            log.warning("a streamed message failed: %s", known[1], extra={"status": known[0]})
+        yield _event("error", error_body(ANTHROPIC, *known, request_id))
 
 
 def _event(name: str, data: dict) -> bytes:

@@ -20,7 +20,7 @@ from shoal.gateway.openai import InvalidResponsesRequest, parse_request
 from ._bodies import read_json_object
 from ._responses import json_response
 from .auth import tenant_of
-from .errors import OPENAI, BadRequest, error_body, request_id_of
+from .errors import OPENAI, BadRequest, error_body, known_failure, openai_code, request_id_of
 from .schemas import (RESPONSE_EVENTS, RESPONSES_ERRORS, ResponseDeleted, ResponseObject,
                       ResponsesRequest, request_body)
 
@@ -97,10 +97,15 @@ async def _stream(first, iterator, session, request_id) -> AsyncIterator[bytes]:
             if chunk is not None:
                 yield chunk
     except Exception as exc:  # noqa: BLE001 - the stream ends with OpenAI's failure events
-        if not isinstance(exc, UpstreamError):
+        # Past the first event the status is sent: what a handler would have
+        # answered (a quota, capacity, a container gone) travels in the events.
+        status, message = (exc.status, exc.message) if isinstance(exc, UpstreamError) else (
+            known_failure(exc) or (500, "internal error"))
+        if status == 500 and not isinstance(exc, UpstreamError):
             log.exception("the tool loop failed mid-stream")
-        message = exc.message if isinstance(exc, UpstreamError) else "internal error"
-        for event in session.adapter.failure(message):
+        else:
+            log.warning("a streamed response failed: %s", message, extra={"status": status})
+        for event in session.adapter.failure(message, openai_code(status)):
             yield event
 
 

@@ -449,11 +449,13 @@ class OpenAIAdapter:
                                   {"response": final}))
         return events
 
-    def failure(self, message: str) -> list:
+    def failure(self, message: str, code: str = "server_error") -> list:
         """The closing events of a response that broke off in the middle."""
         self.status = "failed"
-        failed = {**self.response(), "error": {"code": "server_error", "message": message}}
-        return [self._event("error", {"code": "server_error", "message": message, "param": None}),
+        # A response's error code is one of OpenAI's closed set; the event's is free.
+        kind = code if code in ("rate_limit_exceeded", "server_error") else "server_error"
+        failed = {**self.response(), "error": {"code": kind, "message": message}}
+        return [self._event("error", {"code": code, "message": message, "param": None}),
                 self._event("response.failed", {"response": failed})]
 
     def pending_outputs(self) -> list[dict]:

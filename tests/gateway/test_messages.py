@@ -122,6 +122,25 @@ def test_streaming_matches_anthropic_event_order(anthropic_client, upstream):
     assert final.content[1].input == {"command": "echo streamed"}
 
 
+def test_a_quota_met_mid_stream_is_named_in_the_stream(gateway_factory, upstream):
+    # The tenant's one live slot is held by a session: the loop's first run, after
+    # the stream began, is refused, and the stream says so in Anthropic's terms.
+    server = gateway_factory(tenant_max_sessions=1)
+    headers = {"Authorization": f"Bearer {CLIENT_TOKEN}"}
+    assert httpx.post(f"{server.url}/sessions", json={}, headers=headers).status_code == 201
+    client = anthropic.Anthropic(base_url=server.url, api_key=CLIENT_TOKEN, max_retries=0)
+    upstream.script(anthropic_turn(text("Running it."), bash("echo hi")))
+    with pytest.raises(anthropic.APIStatusError) as failure:
+        with client.messages.stream(model="claude-test", max_tokens=64, tools=[TOOL],
+                                    messages=[{"role": "user", "content": "go"}]) as stream:
+            for _ in stream:
+                pass
+    body = failure.value.body
+    assert body["error"]["type"] == "rate_limit_error", body
+    assert "sessions" in body["error"]["message"], body
+    assert "Traceback" not in server.log()
+
+
 def test_every_editor_command(anthropic_client, upstream):
     path = "/home/agent/workspace/config.json"
     upstream.script(

@@ -828,6 +828,23 @@ def test_streaming_event_order(upstream, openai_client):
     assert dump(openai_client.responses.retrieve(final.id)) == dump(final)
 
 
+def test_a_quota_met_mid_stream_is_named_in_the_stream(upstream, gateway_factory):
+    # The auto container is made when the model first calls the tool, after the
+    # stream began: the tenant's container quota must read as one, not as a bug.
+    server = gateway_factory(tenant_max_containers=1)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=CLIENT_TOKEN, max_retries=0)
+    client.containers.create(name="the-only-one")
+    upstream.script(openai_turn(function_call("code_interpreter", {"code": "print(1)"})))
+    with client.responses.stream(model=MODEL, input="Run it.", tools=[CI_AUTO]) as stream:
+        events = list(stream)
+    error = next(e for e in events if e.type == "error")
+    assert error.code == "rate_limit_exceeded" and "containers" in error.message, error
+    failed = events[-1]
+    assert failed.type == "response.failed"
+    assert failed.response.error.code == "rate_limit_exceeded"
+    assert "Traceback" not in server.log()
+
+
 def test_streaming_hides_caronte_round_trips(upstream, openai_client):
     upstream.script(openai_turn(function_call("code_execution", {"code": "print(2 ** 10)"})),
                     then_say(lambda out: f"It is {json.loads(out)['stdout'].strip()}"))
