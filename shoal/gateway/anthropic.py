@@ -32,7 +32,7 @@ from shoal.sessions import scoped_file_id
 from shoal.storage import ContainerRecord
 
 from .engine import Turn, ToolUse
-from .upstream import Timing, Upstream
+from .upstream import Timing, Upstream, UpstreamError
 
 STRICT, ZYLON, LEGACY = "strict", "zylon", "legacy"
 CODE_TOOL_TYPES = {
@@ -391,6 +391,12 @@ class AnthropicAdapter:
                 turn_output = (data.get("usage") or {}).get("output_tokens", turn_output)
             elif kind == "message_stop":
                 break
+        else:
+            # A connection closed mid-answer reads as an ended stream (close-delimited
+            # bodies carry no length): without its message_stop it is a broken answer,
+            # never one to pass off as complete.
+            raise UpstreamError(502, "the upstream model's stream ended before its "
+                                     "message_stop: the answer is incomplete")
         self.usage["output_tokens"] += int(turn_output or 0)
         said = []
         for _, entry in sorted(blocks.items()):

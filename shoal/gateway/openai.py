@@ -34,7 +34,7 @@ from shoal.sessions.network import InvalidNetworkPolicy, check_network_policy
 from shoal.storage import ContainerRecord
 
 from .engine import Paused, ToolUse, Turn
-from .upstream import Timing, Upstream
+from .upstream import Timing, Upstream, UpstreamError
 
 CODE_INTERPRETER, CARONTE = "code_interpreter", "caronte:code_execution"
 CI_FUNCTION, CARONTE_FUNCTION = "code_interpreter", "code_execution"
@@ -338,8 +338,11 @@ class OpenAIAdapter:
                 if kind == "response.content_part.done" and entry["kind"] == "message":
                     data = {**data, "part": self._cited_part(entry, data)}
                 yield self._forward(kind, data, entry)
-        if completed is None:
-            completed = {}
+        else:
+            # A connection closed mid-answer reads as an ended stream: without its
+            # final event it is a broken answer, never one to store as completed.
+            raise UpstreamError(502, "the upstream model's stream ended before its final "
+                                     "event: the response is incomplete")
         self._add_usage(completed.get("usage") or {})
         final_items = completed.get("output")
         if isinstance(final_items, list) and final_items:

@@ -14,7 +14,7 @@ What this module owns:
 * the turn builders: :func:`anthropic_turn` with :func:`text` and :func:`tool_use`
   blocks; :func:`openai_turn` with :func:`message` and :func:`function_call` items;
 * rendering a turn as a JSON body or as an SSE stream, paced by the turn's ``chunk``,
-  ``delay`` and ``hang_after``;
+  ``delay``, ``hang_after`` and ``end_after``;
 * the server: the turn queue, scripted failures (:meth:`ScriptedUpstream.fail`), and a
   record of every request received (:class:`Recorded`).
 
@@ -102,11 +102,14 @@ class Pacing:
     writing until the client goes away or the server closes. A value at or above the
     number of events sends them all but never closes. A non-streaming answer counts as
     one event, so ``hang_after=0`` makes it never answer.
+    ``end_after``: send only this many events, then end the body cleanly, as a
+    connection closed mid-answer looks to a reader of a close-delimited body.
     """
 
     chunk: int = DEFAULT_CHUNK
     delay: float = 0.0
     hang_after: int | None = None
+    end_after: int | None = None
 
     def __post_init__(self) -> None:
         if self.chunk < 1:
@@ -193,7 +196,7 @@ def _anthropic_block_events(index: int, block: dict, chunk: int) -> Iterator[Eve
 
 def anthropic_turn(*blocks: dict, stop_reason: str | None = None, usage: dict | None = None,
                    model: str = DEFAULT_MODEL, chunk: int = DEFAULT_CHUNK, delay: float = 0.0,
-                   hang_after: int | None = None) -> AnthropicTurn:
+                   hang_after: int | None = None, end_after: int | None = None) -> AnthropicTurn:
     """An Anthropic turn answering with ``blocks`` (:func:`text`, :func:`tool_use`, or any
     block dict). ``stop_reason`` defaults to ``"tool_use"`` when a tool_use block is
     present, else ``"end_turn"``. ``usage`` is merged over
@@ -205,7 +208,7 @@ def anthropic_turn(*blocks: dict, stop_reason: str | None = None, usage: dict | 
         stop_reason=stop_reason,
         usage={"input_tokens": DEFAULT_INPUT_TOKENS, "output_tokens": DEFAULT_OUTPUT_TOKENS, **(usage or {})},
         model=model,
-        pacing=Pacing(chunk, delay, hang_after),
+        pacing=Pacing(chunk, delay, hang_after, end_after),
     )
 
 
@@ -336,7 +339,7 @@ def _openai_part_events(at: dict, part: dict, chunk: int) -> list[Event]:
 
 def openai_turn(*items: dict, status: str = "completed", usage: dict | None = None,
                 model: str = DEFAULT_MODEL, chunk: int = DEFAULT_CHUNK, delay: float = 0.0,
-                hang_after: int | None = None) -> OpenAITurn:
+                hang_after: int | None = None, end_after: int | None = None) -> OpenAITurn:
     """An OpenAI turn answering with ``items`` (:func:`message`, :func:`function_call`, or
     any output item dict). ``status`` is ``completed``, ``incomplete`` or ``failed``; a
     stream ends with the matching ``response.<status>`` event. ``usage`` gives
@@ -353,7 +356,8 @@ def openai_turn(*items: dict, status: str = "completed", usage: dict | None = No
         "total_tokens": tokens["input_tokens"] + tokens["output_tokens"],
         **{k: v for k, v in tokens.items() if k not in ("input_tokens", "output_tokens")},
     }
-    return OpenAITurn(tuple(items), status, full_usage, model, Pacing(chunk, delay, hang_after))
+    return OpenAITurn(tuple(items), status, full_usage, model,
+                      Pacing(chunk, delay, hang_after, end_after))
 
 
 # --------------------------------------------------------------------------- dialects
@@ -668,6 +672,8 @@ class _Handler(BaseHTTPRequestHandler):
         for sent, (name, payload) in enumerate(turn.events(body)):
             if sent == pacing.hang_after:
                 return self._hang(recorded)
+            if sent == pacing.end_after:
+                break
             if sent and not self._pause(pacing.delay, recorded):
                 return
             if not self._write_chunk(f"event: {name}\ndata: {_dumps(payload)}\n\n".encode(), recorded):

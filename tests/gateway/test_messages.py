@@ -411,6 +411,24 @@ def test_a_client_that_disconnects_stops_the_loop(anthropic_client, upstream, ga
     assert "late.txt" not in [f["filename"] for f in listed["data"]], "the call outlived its client"
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_an_upstream_stream_cut_short_is_an_error_not_an_answer(anthropic_client, upstream, streamed):
+    # message_start, the text block's start, one delta: then the body ends. Read
+    # to its end, such a stream looked like a complete end_turn answer.
+    upstream.script(anthropic_turn(text("partial answer and then more"), chunk=7, end_after=3))
+    with pytest.raises(anthropic.APIStatusError) as failure:
+        if streamed:
+            with anthropic_client.messages.stream(model="claude-test", max_tokens=64, tools=[TOOL],
+                                                  messages=[{"role": "user", "content": "go"}]) as s:
+                for _ in s:
+                    pass
+        else:
+            ask(anthropic_client)
+    assert "incomplete" in failure.value.body["error"]["message"], failure.value.body
+    if not streamed:
+        assert failure.value.status_code == 502
+
+
 def test_requests_without_the_tool_pass_through_unchanged(anthropic_client, upstream):
     upstream.script(anthropic_turn(text("plain answer")), anthropic_turn(text("streamed answer")))
     body = {"model": "claude-test", "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}],

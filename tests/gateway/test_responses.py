@@ -942,6 +942,19 @@ def test_upstream_error_before_a_stream(upstream, openai_client, with_code_tool)
                     + ", ".join(getattr(e, "message", None) or e.type for e in events))
 
 
+def test_an_upstream_stream_cut_short_is_an_error_not_a_completed_response(upstream, openai_client):
+    # created, the message item added, its part added, one delta: then the body ends.
+    upstream.script(openai_turn(message("partial answer and then more"), chunk=7, end_after=4))
+    with pytest.raises(openai.APIStatusError) as failure:
+        openai_client.responses.create(model=MODEL, input="hi", tools=[CI_AUTO])
+    assert failure.value.status_code == 502 and "incomplete" in str(failure.value)
+    upstream.script(openai_turn(message("partial answer and then more"), chunk=7, end_after=4))
+    with openai_client.responses.stream(model=MODEL, input="hi", tools=[CI_AUTO]) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.failed", [e.type for e in events]
+    assert events[-1].response.status == "failed"
+
+
 def test_sdk_retries_use_the_upstreams_retry_after(upstream, gateway):
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=CLIENT_TOKEN, max_retries=2)
     upstream.fail(429, message="busy", headers=FAST_RETRY, times=2)
