@@ -439,6 +439,9 @@ class AnthropicAdapter:
         return RunRequest(language="python", code=code, container_id=container,
                           timeout_ms=DEFAULT_BASH_TIMEOUT * 1000, caronte_files=False)
 
+    def refusal(self, reason: str) -> "_Refusal":
+        return _Refusal("too_many_requests", reason)
+
     async def tool_result(self, use: ToolUse, run: Run | None, failure: object) -> list:
         self.executions += 1 if run is not None else 0
         if run is not None and run.result is None:

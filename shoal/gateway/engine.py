@@ -75,6 +75,9 @@ class Adapter(Protocol):
     async def tool_result(self, use: ToolUse, run: Run | None, failure: object) -> list[object]:
         """Client events for a finished call, after recording its result for the model."""
 
+    def refusal(self, reason: str) -> object:
+        """A failure, in the dialect's terms, for a call the loop will not run."""
+
     def paused(self, pause: Paused) -> list[object]:
         """Client events for a call whose code waits on client tools (Caronte's)."""
 
@@ -124,6 +127,16 @@ class ToolLoop:
                         yield event
                     return
                 for use in ours:
+                    if self.executions >= self.max_round_trips:
+                        # One turn may ask for many calls: the budget is of
+                        # executions, each up to its timeout, not of turns. The
+                        # rest are answered, not run; the client may continue.
+                        refused = adapter.refusal(
+                            f"this request ran {self.executions} code executions, its limit; "
+                            "this call was not run (continue in a new request)")
+                        for event in await adapter.tool_result(use, None, refused):
+                            yield event
+                        continue
                     async for event in self._call(use):
                         yield event
                     if self.paused is not None:
@@ -133,7 +146,8 @@ class ToolLoop:
                         yield event
                     return
                 self.round_trips += 1
-                if self.round_trips >= self.max_round_trips:
+                if (self.round_trips >= self.max_round_trips
+                        or self.executions >= self.max_round_trips):
                     for event in adapter.finish("pause_turn"):
                         yield event
                     return

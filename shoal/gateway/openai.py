@@ -396,6 +396,9 @@ class OpenAIAdapter:
                           file_ids=list(marker.get("file_ids") or []) if first else [],
                           timeout_ms=arguments["timeout_ms"], caronte_files=True)
 
+    def refusal(self, reason: str) -> "_Refusal":
+        return _Refusal(reason)
+
     async def tool_result(self, use: ToolUse, run: Run | None, failure: object) -> list:
         events = self.start()
         if use.name == CI_FUNCTION:

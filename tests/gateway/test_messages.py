@@ -238,6 +238,27 @@ def test_pause_turn_and_its_continuation(gateway_factory, upstream):
     assert json.loads(history[2]["content"][0]["content"])["return_code"] == 0
 
 
+def test_many_calls_in_one_turn_are_held_to_the_execution_budget(gateway_factory, upstream):
+    # The budget counted turns: one turn of 60 calls ran all 60, each up to its
+    # own timeout. Past the budget a call is answered, not run, and the turn pauses.
+    server = gateway_factory(gateway_max_round_trips=3)
+    client = anthropic.Anthropic(base_url=server.url, api_key=CLIENT_TOKEN, max_retries=0)
+    container = a_container()
+    upstream.script(anthropic_turn(*[bash(f"echo {n} >> ran.txt") for n in range(6)]))
+    paused = ask(client, container=container)
+    assert paused.stop_reason == "pause_turn"
+    results = [b for b in paused.content if b.type == "bash_code_execution_tool_result"]
+    assert len(results) == 6
+    assert [r.content.type for r in results] == (["bash_code_execution_result"] * 3
+                                                 + ["bash_code_execution_tool_result_error"] * 3)
+    assert {r.content.error_code for r in results[3:]} == {"too_many_requests"}
+    assert paused.usage.server_tool_use.code_execution_requests == 3
+    upstream.script(anthropic_turn(bash("cat ran.txt")), anthropic_turn(text("ok")))
+    ask(client, container=container)
+    assert last_result(upstream.requests[2].body)["stdout"] == "0\n1\n2\n", "a refused call ran"
+    assert len(upstream.requests) == 3
+
+
 def test_a_client_tool_ends_the_turn_and_the_next_request_continues(anthropic_client, upstream):
     weather = {"name": "get_weather", "description": "Weather for a city.",
                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}

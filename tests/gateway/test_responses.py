@@ -462,6 +462,23 @@ def tight_gateway(gateway_factory):
     return gateway_factory(max_memory_limit_mib=1024, tool_wait_seconds=1)
 
 
+def test_many_calls_in_one_turn_are_held_to_the_execution_budget(upstream, gateway_factory):
+    server = gateway_factory(gateway_max_round_trips=3)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=CLIENT_TOKEN, max_retries=0)
+    append = "open('/mnt/data/ran.txt', 'a').write('x')"
+    upstream.script(openai_turn(*[function_call("code_interpreter", {"code": append}) for _ in range(6)]))
+    paused = client.responses.create(model=MODEL, input="Go.", tools=[CI_AUTO])
+    assert paused.status == "incomplete" and paused.incomplete_details.reason == "max_tool_calls"
+    assert len(upstream.requests) == 1  # the model was not asked again within this request
+    upstream.script(openai_turn(function_call("code_interpreter", {"code": "print(open('/mnt/data/ran.txt').read())"})),
+                    then_say(lambda out: out))
+    client.responses.create(model=MODEL, input="Again.", tools=[CI_AUTO], previous_response_id=paused.id)
+    outputs = [item["output"] for item in upstream.requests[1].body["input"]
+               if item.get("type") == "function_call_output"]
+    assert sum("not run" in output for output in outputs) == 3, outputs
+    assert fed_back(upstream, 2).startswith("xxx"), fed_back(upstream, 2)
+
+
 def test_memory_ceiling_is_the_operators(upstream, tight_gateway):
     client = openai.OpenAI(base_url=tight_gateway.url + "/v1", api_key=CLIENT_TOKEN, max_retries=0)
     assert client.containers.create(name="fits", memory_limit="1g").memory_limit == "1g"
