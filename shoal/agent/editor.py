@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import base64
 import os
+import secrets
+import stat
 
 WORKSPACE = "/home/agent/workspace"
 # A view answers in one channel frame (4 MiB), with its text twice (numbered, and
@@ -229,8 +231,44 @@ def _read_existing_text(path: str) -> str:
 
 
 def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8", newline="") as handle:
-        handle.write(text)
+    """Replace the file's content all at once, or not at all.
+
+    The new text goes to a temporary file beside the target, which is renamed
+    over it only once every byte is written: a full disk (or anything else that
+    stops the write) leaves the original as it was, where truncating first lost
+    it. A link is followed to the file it names, which is what is replaced, so
+    the link stays a link. The rename gives the path a new inode: other hard
+    links to the old one keep the old text, and the file becomes the sandbox
+    user's own. We accept both: rewriting the inode in place is what loses the
+    file on a full disk, and in the sandbox every file the code can write is
+    its own already (the host's files are read-only to it).
+    """
+    target = os.path.realpath(path)
+    try:
+        info = os.stat(target)
+    except FileNotFoundError:
+        info = None
+    # A hidden name, so a directory view never lists one left by a killed agent.
+    temporary = os.path.join(os.path.dirname(target), f".shoal-edit-{secrets.token_hex(8)}")
+    # 0o666 lets the umask decide a new file's mode, as open(path, "w") did.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            if info is not None:
+                os.fchmod(fd, stat.S_IMODE(info.st_mode))
+            handle.write(text)
+            handle.flush()
+            # A filesystem may report a full disk only when the data is flushed;
+            # it must be reported before the rename, while the original is whole.
+            os.fsync(fd)
+        os.rename(temporary, target)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
 
 
 def _check_range(view_range: object, total: int) -> tuple[int, int]:

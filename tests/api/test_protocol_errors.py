@@ -723,6 +723,58 @@ def test_at_capacity_create_is_503_until_a_session_is_released(small_server, exp
             http.delete(f"/sessions/{second}")
 
 
+# -- a full disk loses nothing --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_disk_server(server_factory) -> Server:
+    return server_factory(disk_limit_mib=32, max_sessions=2, pool_size=1)
+
+
+def _edit(http: httpx.Client, session_id: str, **request) -> dict:
+    response = http.post(f"/sessions/{session_id}/exec",
+                         json={"tool": "text_editor_code_execution", "input": request})
+    assert response.status_code == 200, response.text
+    return response.json()["result_block"]["content"]
+
+
+def test_an_edit_on_a_full_disk_fails_and_leaves_the_file_whole(small_disk_server):
+    notes = "".join(f"important line {n}\n" for n in range(1, 400))
+    with _client(small_disk_server) as http:
+        session_id = _create(http)
+        try:
+            assert _edit(http, session_id, command="create", path="notes.txt",
+                         file_text=notes)["return_code"] == 0
+            _bash(http, session_id, "chmod 640 notes.txt && "
+                                    "{ fallocate -l 40M big; dd if=/dev/zero of=big2 bs=4k; "
+                                    "} 2>/dev/null; true")
+            # Each edit needs more room than is left: it must fail, and fail whole.
+            for request in ({"command": "str_replace", "old_str": "important line 7\n",
+                             "new_str": "CHANGED" * 20000},
+                            {"command": "insert", "insert_line": 3, "new_str": "CHANGED" * 20000},
+                            {"command": "create", "file_text": "CHANGED" * 20000}):
+                failed = _edit(http, session_id, path="notes.txt", **request)
+                assert failed["return_code"] == 1, failed
+                assert "No space left on device" in failed["stderr"], failed
+                viewed = _edit(http, session_id, command="view", path="notes.txt")
+                assert viewed["return_code"] == 0, viewed
+                assert viewed["stdout"].count("important line") == 399
+            # No temporary file is left behind to hold the room.
+            listing = _bash(http, session_id, "ls -A")["stdout"].split()
+            assert sorted(listing) == ["big", "big2", "notes.txt"], listing
+            assert _bash(http, session_id, "cat notes.txt")["stdout"] == notes
+
+            # With room again the same edit succeeds, keeps the file's mode, and undoes.
+            _bash(http, session_id, "rm big big2")
+            done = _edit(http, session_id, command="str_replace", path="notes.txt",
+                         old_str="important line 7\n", new_str="CHANGED\n")
+            assert done["return_code"] == 0, done
+            assert _bash(http, session_id, "stat -c %a notes.txt")["stdout"] == "640\n"
+            assert _edit(http, session_id, command="undo_edit",
+                         path="notes.txt")["return_code"] == 0
+            assert _bash(http, session_id, "cat notes.txt")["stdout"] == notes
+        finally:
+            http.delete(f"/sessions/{session_id}")
+
+
 # -- once answered 500: found by this suite, fixed, kept -----------------------------------------------------------
 _DEEP = ("[" * 100_000 + "]" * 100_000).encode()
 
