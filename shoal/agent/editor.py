@@ -10,6 +10,7 @@ protocol's plain stdout), plus the plain text rendering.
 from __future__ import annotations
 
 import base64
+import errno
 import os
 import secrets
 import stat
@@ -207,13 +208,34 @@ def _required_str(request: dict, field: str) -> str:
 
 
 def _read_bytes(path: str) -> bytes:
-    if not os.path.exists(path):
-        raise EditorError(f"The path {path} does not exist.", "file_not_found")
-    if os.path.getsize(path) > MAX_VIEW_BYTES:
-        raise EditorError(f"{path} is larger than {MAX_VIEW_BYTES} bytes; view it with bash "
-                          "(head, sed -n, grep) instead.", "invalid_tool_input")
-    with open(path, "rb") as handle:
+    # Links are followed: the editor sees only what the sandbox may see, and a
+    # link inside the workspace is a file the code means. What is opened must
+    # be a regular file, though: a FIFO or a device would block the open or
+    # never end the read, and the agent would hang with the interpreter in it.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise EditorError(f"The path {path} does not exist.", "file_not_found") from None
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a socket, or a device with no driver
+            raise _not_regular(path) from None
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_regular(path)
+        if info.st_size > MAX_VIEW_BYTES:
+            raise EditorError(f"{path} is larger than {MAX_VIEW_BYTES} bytes; view it with bash "
+                              "(head, sed -n, grep) instead.", "invalid_tool_input")
+        os.set_blocking(fd, True)
         return handle.read()
+
+
+def _not_regular(path: str) -> EditorError:
+    return EditorError(f"{path} is not a regular file (a FIFO, socket or device); "
+                       "the editor only reads and writes regular files.")
 
 
 def _read_text(path: str) -> str:
@@ -248,6 +270,11 @@ def _write_text(path: str, text: str) -> None:
         info = os.stat(target)
     except FileNotFoundError:
         info = None
+    if info is not None:
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_regular(path)
     # A hidden name, so a directory view never lists one left by a killed agent.
     temporary = os.path.join(os.path.dirname(target), f".shoal-edit-{secrets.token_hex(8)}")
     # 0o666 lets the umask decide a new file's mode, as open(path, "w") did.

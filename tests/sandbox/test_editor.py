@@ -436,6 +436,41 @@ async def test_path_with_nul_byte(sandbox):
     assert_error(result, "path")
 
 
+# -- files that are not regular files -------------------------------------------------------------
+# Each request would block the agent in open() (a FIFO with no writer, or no
+# reader) or never end its read (/dev/zero): the call timed out and the restart
+# that followed took the interpreter's variables with it.
+NOT_REGULAR_REQUESTS = {
+    "view": {"command": "view"},
+    "view_range": {"command": "view", "view_range": [1, 2]},
+    "create": {"command": "create", "file_text": "x"},
+    "str_replace": {"command": "str_replace", "old_str": "a", "new_str": "b"},
+    "insert": {"command": "insert", "insert_line": 0, "new_str": "x"},
+}
+
+
+@pytest.mark.parametrize("path", ["fifo", "/dev/zero", "link-to-fifo"])
+@pytest.mark.parametrize("request_name", NOT_REGULAR_REQUESTS)
+async def test_a_fifo_or_device_is_refused_at_once(sandbox, path, request_name):
+    await sandbox.run_python("secret_state = 42")
+    await sandbox.run_bash("mkfifo fifo && ln -s fifo link-to-fifo")
+    result = await sandbox.edit({**NOT_REGULAR_REQUESTS[request_name], "path": path}, timeout=3)
+    assert not result.timed_out and not result.restarted, result
+    assert_error(result, "not a regular file", code="invalid_tool_input")
+    assert (await sandbox.run_python("print(secret_state)")).stdout == "42\n"
+    # The FIFO is still a FIFO: nothing was written in its place.
+    assert (await sandbox.run_bash("test -p fifo && echo fifo")).stdout == "fifo\n"
+
+
+async def test_undo_never_writes_into_a_fifo_left_at_the_path(sandbox):
+    await edit_ok(sandbox, command="create", path="f.txt", file_text="one")
+    await edit_ok(sandbox, command="create", path="f.txt", file_text="two")
+    await sandbox.run_bash("rm f.txt && mkfifo f.txt")
+    result = await sandbox.edit({"command": "undo_edit", "path": "f.txt"}, timeout=3)
+    assert not result.timed_out and not result.restarted, result
+    assert_error(result, "not a regular file")
+
+
 # -- nothing outside the sandbox is reachable ---------------------------------------------------
 def _files_holding(root: Path, needle: bytes) -> list[str]:
     """Files under ``root`` (a sandbox's host directories) whose content holds ``needle``."""
