@@ -50,6 +50,10 @@ class FileMissing(FileAccessError):
     status = 404
 
 
+class SandboxGone(FileMissing):
+    """The sandbox's directories are gone: it was released while the call ran."""
+
+
 class IsDirectory(FileAccessError):
     status = 400
 
@@ -142,7 +146,13 @@ class SandboxFiles:
         root = self._home.host_path_of(mount)
         if root is None:
             raise PathOutside(f"{mount} is not one of the session's mounts")
-        fd = os.open(root, _DIR_FLAGS)
+        try:
+            fd = os.open(root, _DIR_FLAGS)
+        except FileNotFoundError:
+            # The mounts are removed only when the sandbox is released, so a
+            # call that began before a release (an upload still streaming in)
+            # finds the session gone, as an exec caught by a release does.
+            raise SandboxGone("the session was released while the call ran") from None
         try:
             for part in parts:
                 try:

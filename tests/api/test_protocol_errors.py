@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -173,6 +174,30 @@ def test_delete_twice_is_204_both_times_and_the_session_is_gone(api, expect_erro
     assert api.delete(f"/sessions/{session_id}").status_code == 204
     for operation in UNKNOWN_SESSION_OPERATIONS.values():
         expect_error(operation(api, session_id), 404)
+
+
+def test_an_upload_to_a_session_released_while_it_streams_is_404(server, expect_error):
+    logged = len(server.log())
+    with _client(server) as http:
+        session_id = _create(http)
+
+        def body() -> Iterator[bytes]:
+            chunks = _chunked_multipart("late.bin", 600 * 1024)
+            yield next(chunks)  # the form's fields and the file part's header
+            yield next(chunks)  # the first 64 KiB of the file
+            # The server began the upload as soon as the headers came in and holds
+            # the session; the pause leaves it time to, before the release.
+            time.sleep(0.5)
+            with server.client() as other:
+                assert other.delete(f"/sessions/{session_id}").status_code == 204
+            yield from chunks
+
+        response = http.post(f"/sessions/{session_id}/files", content=body(),
+                             headers={"content-type": f"multipart/form-data; boundary={BOUNDARY}"})
+        body_ = expect_error(response, 404)
+        assert body_["detail"] == "the session was released while the call ran"
+    log = server.log()[logged:]
+    assert "Traceback" not in log and "unhandled error" not in log, log
 
 
 # -- 400: unknown tool kind ----------------------------------------------------------------
