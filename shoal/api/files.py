@@ -13,6 +13,7 @@ import tempfile
 from datetime import datetime, timezone
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from starlette.requests import ClientDisconnect
 
 from shoal.sessions import (ContainerFile, InvalidKey, SessionManager, parse_scoped_file_id,
                             path_for_key, scoped_file_id)
@@ -148,11 +149,16 @@ async def put_scoped_body(request: Request, tenant: str, scope_id: str, key: str
         raise BadRequest(413, f"body is larger than the {limit}-byte cap")
     with tempfile.SpooledTemporaryFile(max_size=1024 * 1024) as spool:
         received = 0
-        async for chunk in request.stream():
-            received += len(chunk)
-            if received > limit:
-                raise BadRequest(413, f"body is larger than the {limit}-byte cap")
-            spool.write(chunk)
+        try:
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > limit:
+                    raise BadRequest(413, f"body is larger than the {limit}-byte cap")
+                spool.write(chunk)
+        except ClientDisconnect:
+            # The client's mistake, as a broken multipart upload is (read_upload):
+            # a 4xx nobody will read, and nothing stored, since the spool is dropped.
+            raise BadRequest(400, "the client hung up before the body was complete") from None
         spool.seek(0)
         return await put_scoped(request, tenant, scope_id, key, spool)
 

@@ -21,6 +21,7 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 import uuid
@@ -28,9 +29,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving import Server
 
@@ -261,6 +264,42 @@ def test_put_raw_body_at_a_key(http, scope):
     with attached(http, scope) as bash:
         result = bash(f"cat {UPLOADS}/config/settings.json; echo; cat {OUTPUTS}/report.txt")
         assert result["stdout"] == settings.decode() + "\ndone\n"
+
+
+def _raw_put_answers(http: httpx.Client) -> dict[str, float]:
+    """How many raw puts the server has answered, by status, as /metrics counts them."""
+    answers = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if (sample.name == "shoal_http_requests_total"
+                    and sample.labels.get("method") == "PUT"
+                    and sample.labels.get("route") == "/v1/files/{key:path}"):
+                answers[sample.labels["status"]] = sample.value
+    return answers
+
+
+def test_a_put_whose_client_hangs_up_mid_body_stores_nothing(files_server, http, scope):
+    kept = put(http, scope, "kept.txt", b"kept\n")
+    logged = len(files_server.log())
+    before = _raw_put_answers(http)
+    address = urlsplit(files_server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        sock.sendall(f"PUT /v1/files/half.bin?scope_id={scope} HTTP/1.1\r\n"
+                     f"Host: {address.netloc}\r\nTransfer-Encoding: chunked\r\n"
+                     "Content-Type: application/octet-stream\r\n\r\n".encode()
+                     + b"10000\r\n" + b"h" * 0x10000 + b"\r\n")
+    # The server answers the abandoned put once it sees the hang-up; wait for that.
+    deadline = time.monotonic() + 30
+    while (answers := _raw_put_answers(http)) == before:
+        assert time.monotonic() < deadline, "the abandoned put was never answered"
+        time.sleep(0.05)
+    new = {status: count - before.get(status, 0) for status, count in answers.items()
+           if count != before.get(status, 0)}
+    assert list(new.values()) == [1] and int(next(iter(new))) < 500, new
+    log = files_server.log()[logged:]
+    assert "unhandled error" not in log and "ClientDisconnect" not in log, log
+    assert listed_ids(http, scope) == [kept["id"]]
+    assert not [p for p in _files_on_disk(http, scope) if "half" in p or ".shoal-" in p]
 
 
 # -- key validation ------------------------------------------------------------------------
