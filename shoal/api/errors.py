@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
 from shoal.gateway.anthropic import InvalidMessagesRequest
@@ -198,6 +199,9 @@ def install(app: FastAPI) -> None:
         return error_response(request, exc.status, exc.detail, param=exc.param, code=exc.code)
 
     handler(UnknownSession, 404)()
+    # A client that hung up mid-body hears nothing; the answer (and the access log
+    # and metrics) must still say it was the client's doing, not the server's bug.
+    handler(ClientDisconnect, 400, "the client hung up before the body was complete")()
     # The routers turn these into 400s where they parse; a check that runs later
     # (preparing the loop) must not make the client's mistake a 500.
     handler(InvalidMessagesRequest, 400)()

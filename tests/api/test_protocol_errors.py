@@ -21,12 +21,15 @@ from __future__ import annotations
 import base64
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving import Server
 
@@ -849,3 +852,35 @@ def test_a_large_timeout_is_clamped(api, scratch):
                         json={**PRINT_ONE, "timeout_seconds": 10 ** 30})
     assert response.status_code == 200, response.text
     assert response.json()["result_block"]["content"]["stdout"] == "1\n"
+
+
+def test_a_json_body_cut_short_by_its_client_is_no_server_error(server, api):
+    # read_json_object's ClientDisconnect reached the edge as an unhandled error,
+    # with its traceback, and counted as a 500.
+    session = _create(api)
+    logged = len(server.log())
+    before = _answers(api, "/sessions/{session_id}/exec")
+    address = urlsplit(server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        sock.sendall(f"POST /sessions/{session}/exec HTTP/1.1\r\nHost: {address.netloc}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+                     '{"tool": "code_execution", "input": {"code": "'.encode())
+    deadline = time.monotonic() + 30
+    while (answers := _answers(api, "/sessions/{session_id}/exec")) == before:
+        assert time.monotonic() < deadline, "the abandoned request was never answered"
+        time.sleep(0.05)
+    new = {status for status, count in answers.items() if count != before.get(status, 0)}
+    assert new == {"400"}, answers
+    log = server.log()[logged:]
+    assert "unhandled error" not in log and "ClientDisconnect" not in log, log
+
+
+def _answers(http: httpx.Client, route: str) -> dict[str, float]:
+    """How many POSTs to ``route`` the server has answered, by status (its /metrics)."""
+    answers = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if (sample.name == "shoal_http_requests_total" and sample.labels.get("method") == "POST"
+                    and sample.labels.get("route") == route):
+                answers[sample.labels["status"]] = sample.value
+    return answers
