@@ -37,7 +37,13 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
         # Outbound calls the host makes for tools (never for the sandbox): no
         # redirects, so an allowed host cannot bounce a call elsewhere.
         app.state.http_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
-        app.state.gateway = Gateway(settings, manager, run_manager, app.state.http_client)
+        # The models' own pool: tool callbacks never wait behind model calls,
+        # and its size is the operator's (each tenant's share is capped apart).
+        app.state.upstream_client = httpx.AsyncClient(
+            follow_redirects=False, trust_env=False,
+            limits=httpx.Limits(max_connections=settings.upstream_max_connections,
+                                max_keepalive_connections=min(64, settings.upstream_max_connections)))
+        app.state.gateway = Gateway(settings, manager, run_manager, app.state.upstream_client)
         reservations = getattr(app.state, "reservations", None)
         if reservations is not None:
             await reservations.start()
@@ -57,6 +63,7 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
         # nothing new here.
         async with AsyncExitStack() as closing:
             closing.push_async_callback(app.state.http_client.aclose)
+            closing.push_async_callback(app.state.upstream_client.aclose)
             if reservations is not None:
                 closing.push_async_callback(reservations.close)
             closing.push_async_callback(manager.close)

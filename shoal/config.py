@@ -138,6 +138,13 @@ class Settings(BaseSettings):
     gateway_max_round_trips: int = Field(10, ge=1, le=100, description="Sandbox round trips one "
                                          "gateway request may make before it pauses "
                                          "(pause_turn); the client's next request continues.")
+    tenant_max_gateway_requests: int = Field(32, ge=0, description="Gateway requests "
+                                             "(/v1/messages, /v1/responses, pass-through too) "
+                                             "one tenant may have in flight; more answer 429. "
+                                             "0: no limit.")
+    upstream_max_connections: int = Field(512, ge=1, description="Connections to the "
+                                          "upstream models at most, for every tenant; a call "
+                                          "that waits 10 s for one answers 503.")
     skills_dir: Path | None = Field(None, description="Folder of skills, one folder each; a "
                                     "request's container.skills chooses which are mounted "
                                     "read-only under /mnt/skills/.")

@@ -18,6 +18,7 @@ from shoal.gateway import UpstreamError, UpstreamNotConfigured
 from shoal.gateway.openai import InvalidResponsesRequest, parse_request
 
 from ._bodies import read_json_object
+from ._gateway import drain, releasing, unless_gone
 from ._responses import json_response
 from .auth import tenant_of
 from .errors import OPENAI, BadRequest, error_body, known_failure, openai_code, request_id_of
@@ -52,9 +53,19 @@ async def create_response(request: Request, tenant: str = Depends(tenant_of)) ->
         upstream = gateway.upstream("openai")
     except UpstreamNotConfigured as exc:
         raise BadRequest(501, str(exc)) from None
+    release = gateway.hold(tenant)
+    try:
+        return releasing(await _serve(request, tenant, gateway, upstream, parsed), release)
+    except BaseException:
+        release()
+        raise
+
+
+async def _serve(request: Request, tenant: str, gateway, upstream, parsed) -> Response:
     if parsed is None:
         try:
-            return await upstream.forward(request, "/v1/responses", await request.body())
+            return await unless_gone(request, upstream.forward(request, "/v1/responses",
+                                                               await request.body()))
         except UpstreamError as exc:
             return upstream_error(request, exc)
     headers = {k.lower(): v for k, v in request.headers.items()}
@@ -62,15 +73,14 @@ async def create_response(request: Request, tenant: str = Depends(tenant_of)) ->
     events = session.events()
     if not parsed.stream:
         try:
-            async for _ in events:
-                pass
+            await unless_gone(request, drain(events))
         except UpstreamError as exc:
             return upstream_error(request, exc)
         return json_response(session.adapter.response(),
                              headers={"server-timing": session.loop.timing.server_timing()})
     iterator = events.__aiter__()
     try:
-        first = await _next_chunk(iterator)
+        first = await unless_gone(request, _next_chunk(iterator))
     except UpstreamError as exc:
         return upstream_error(request, exc)
     return StreamingResponse(_stream(first, iterator, session, request_id_of(request)),

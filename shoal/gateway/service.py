@@ -14,14 +14,15 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 
 from shoal.config import Settings, read_secret
 from shoal.egress.tokens import ModelAccess
 from shoal.runs import RunManager, UnknownRun
-from shoal.sessions import ContainerExists, ContainerFile, SessionManager, UnknownContainer
+from shoal.sessions import (ContainerExists, ContainerFile, SessionManager, TenantQuotaExceeded,
+                            UnknownContainer)
 from shoal.sessions.network import check_network_policy
 from shoal.storage import ContainerRecord, ResponseRecord
 
@@ -83,6 +84,31 @@ class Gateway:
         # Paused responses by (tenant, call id): a request that answers one with
         # the full input instead of previous_response_id still finds it.
         self._paused: dict[tuple[str, str], _PausedResponse] = {}
+        # Requests in flight by tenant: a model call may hold its connection for
+        # minutes, and one tenant's many must not hold every other tenant's too.
+        self._in_flight: dict[str, int] = {}
+
+    def hold(self, tenant: str) -> Callable[[], None]:
+        """Count one request of ``tenant`` in flight until the returned function is
+        called (any number of times); TenantQuotaExceeded past its share."""
+        limit = self.settings.tenant_max_gateway_requests
+        held = self._in_flight.get(tenant, 0)
+        if limit and held >= limit:
+            raise TenantQuotaExceeded(f"this tenant already has {held} gateway requests in "
+                                      f"flight, its limit; retry when one has finished")
+        self._in_flight[tenant] = held + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                left = self._in_flight[tenant] - 1
+                if left:
+                    self._in_flight[tenant] = left
+                else:
+                    del self._in_flight[tenant]
+        return release
 
     def upstream(self, dialect: str) -> Upstream:
         upstream = self._anthropic if dialect == "anthropic" else self._openai

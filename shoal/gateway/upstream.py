@@ -27,7 +27,11 @@ from starlette.responses import Response, StreamingResponse
 _PASSED_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry", "content-type")
 # Request headers the client may send that mean something to the upstream.
 _FORWARDED = {"anthropic": ("anthropic-version", "anthropic-beta"), "openai": ("openai-beta",)}
-_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+# A model may think for minutes; a connection of the shared pool is waited for
+# only briefly: when every one is in use, the caller hears so (a 503), instead
+# of queueing behind other tenants' long calls for as long as they last.
+_TIMEOUT = httpx.Timeout(600.0, connect=10.0, pool=10.0)
+_BUSY = ("every connection to the upstream model is in use; retry in a moment")
 
 
 class UpstreamError(Exception):
@@ -149,6 +153,8 @@ class Upstream:
                     yield name, data
                     waited_since = time.perf_counter()
                 timing.upstream += time.perf_counter() - waited_since
+        except httpx.PoolTimeout:
+            raise UpstreamError(503, _BUSY, {"retry-after": "1"}) from None
         except httpx.HTTPError as exc:
             raise UpstreamError(502, f"the upstream model could not be reached: {exc}") from None
 
@@ -161,6 +167,8 @@ class Upstream:
                 headers=self.headers({k.lower(): v for k, v in request.headers.items()}),
                 timeout=_TIMEOUT)
             response = await self.client.send(upstream_request, stream=True)
+        except httpx.PoolTimeout:
+            raise UpstreamError(503, _BUSY, {"retry-after": "1"}) from None
         except httpx.HTTPError as exc:
             raise UpstreamError(502, f"the upstream model could not be reached: {exc}") from None
         headers = {k: v for k, v in response.headers.items() if k.lower() in _PASSED_HEADERS}

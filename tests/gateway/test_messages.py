@@ -450,6 +450,59 @@ def test_an_upstream_stream_cut_short_is_an_error_not_an_answer(anthropic_client
         assert failure.value.status_code == 502
 
 
+def test_one_tenant_holding_model_calls_leaves_the_others_theirs(gateway_factory, upstream):
+    # A tenant whose requests hang on the model (a slow model, or many abandoned
+    # clients) held the server's shared connections, and every other tenant's
+    # request waited behind them; and a client that left a non-streaming request
+    # left it running. Now each tenant has its share, and leaving ends a request.
+    server = gateway_factory(tenant_max_gateway_requests=2)
+
+    def answer(body):
+        said = body["messages"][-1]["content"]
+        hang = said == [{"type": "text", "text": "hang"}]
+        return anthropic_turn(text("fine"), hang_after=0 if hang else None)
+
+    upstream.script(*[answer] * 8)
+    hanging = [threading.Thread(target=_abandoned, args=(server.url, CLIENT_TOKEN, path))
+               for path in ("/v1/messages", "/api/gpt/v1/messages")]
+    for thread in hanging:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while len(upstream.requests) < 2:
+        assert time.monotonic() < deadline, "the hanging requests never reached the model"
+        time.sleep(0.05)
+    mine = anthropic.Anthropic(base_url=server.url, api_key=CLIENT_TOKEN, max_retries=0)
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        ask(mine, content="one more")
+    assert "in flight" in refused.value.body["error"]["message"]
+    theirs = anthropic.Anthropic(base_url=server.url, api_key=OTHER_TOKEN, max_retries=0, timeout=20)
+    assert ask(theirs, content="other tenant").content[-1].text == "fine"
+    for thread in hanging:
+        thread.join()
+    # The clients left: their model calls were dropped and their slots came back.
+    for hung in upstream.requests[:2]:
+        assert hung.disconnected.wait(20), "a request outlived its client"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            assert ask(mine, content="again").content[-1].text == "fine"
+            break
+        except anthropic.RateLimitError:
+            assert time.monotonic() < deadline, "a slot was never given back"
+            time.sleep(0.1)
+
+
+def _abandoned(url: str, token: str, path: str) -> None:
+    try:
+        answer = httpx.post(f"{url}{path}", timeout=httpx.Timeout(20, read=3),
+                   headers={"Authorization": f"Bearer {token}"},
+                   json={"model": "m", "max_tokens": 8, "tools": [TOOL],
+                         "messages": [{"role": "user", "content": "hang"}]})
+    except httpx.ReadTimeout:
+        return
+    raise AssertionError(f"a hanging request was answered: {answer.status_code} {answer.text}")
+
+
 def test_requests_without_the_tool_pass_through_unchanged(anthropic_client, upstream):
     upstream.script(anthropic_turn(text("plain answer")), anthropic_turn(text("streamed answer")))
     body = {"model": "claude-test", "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}],

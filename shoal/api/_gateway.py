@@ -1,0 +1,77 @@
+"""What the two gateway routers share about a request's lifetime.
+
+A gateway request may hold a model connection, and a sandbox, for minutes. It
+is counted against its tenant's share while it does (``Gateway.hold``), and it
+ends when its client leaves: a non-streaming request, or a streaming one that
+has not sent its first event, waits inside the handler, where Starlette does
+not notice a hang-up, so these helpers watch for it there and stop the work
+(the tool loop's own cleanup cancels the run in flight). A streaming response
+that has begun is Starlette's to stop; it gives the tenant's slot back when
+its body ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+T = TypeVar("T")
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or ClientDisconnect (and ``work`` cancelled) if the
+    client hangs up first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_hung_up(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        if not gone.done():
+            gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task  # its cleanup (the loop cancels its run) finishes before we answer
+    raise ClientDisconnect()
+
+
+async def _hung_up(request: Request) -> None:
+    # The body is read by now: what the server sends next is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def drain(events: AsyncIterator[object]) -> None:
+    async for _ in events:
+        pass
+
+
+def releasing(response: Response, release: Callable[[], None]) -> Response:
+    """``response``, with ``release`` called once its body has been sent (or
+    abandoned); at once for a response whose body is already whole."""
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _then(response.body_iterator, release)
+    else:
+        release()
+    return response
+
+
+async def _then(chunks: AsyncIterator, release: Callable[[], None]) -> AsyncIterator:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        try:
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
+        finally:
+            release()
