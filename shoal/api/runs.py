@@ -11,6 +11,7 @@ connection: it finishes whoever listens.
 
 from __future__ import annotations
 
+import json
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -18,6 +19,8 @@ from sse_starlette import ServerSentEvent
 
 from shoal.runs import (DEFAULT_TIMEOUT_MS, LANGUAGES, MAX_TIMEOUT_MS, EventLog, InvalidTools,
                         RunManager, RunRequest, UnknownRun, normalise_tool)
+
+from shoal.sandbox.toolcalls import MAX_RESULT_BYTES
 
 from ._bodies import read_json_object
 from ._sse import EventStream, encode_batch
@@ -160,9 +163,22 @@ async def tool_results(run_id: str, request: Request, tenant: str = Depends(tena
             raise BadRequest(422, "a result's error must be a string", param="results")
         if error is None and entry.get("is_error"):
             error = entry.get("output") if isinstance(entry.get("output"), str) else "tool error"
+        if _size(entry.get("output")) > MAX_RESULT_BYTES or _size(error) > MAX_RESULT_BYTES:
+            # It could not reach the code in one frame: refused here, where the
+            # client can still act on it, not accepted and then lost.
+            raise BadRequest(413, f"a tool result may be at most {MAX_RESULT_BYTES} bytes "
+                                  "as JSON", param="results")
         parsed.append({"call_id": entry["call_id"], "output": entry.get("output"), "error": error})
     accepted = await _runs(request).submit(tenant, run_id, parsed)
     return json_response({"run_id": run_id, "accepted": accepted})
+
+
+def _size(value: object) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass")) + 2
+    return len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
 
 
 @router.delete("/{run_id}", summary="Cancel a run",

@@ -17,6 +17,7 @@ forged by the code, and then hands valid calls to one of two faces:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ import httpx
 import jsonschema_rs
 
 from shoal.sandbox import ToolCall, ToolOutcome
+from shoal.sandbox.toolcalls import MAX_RESULT_BYTES
 
 log = logging.getLogger("shoal.tools")
 
@@ -219,10 +221,15 @@ def check_callback_url(url: object, allowlist: HostAllowlist) -> str:
     """The callback URL if the operator allows its host; InvalidTools otherwise."""
     if not isinstance(url, str) or not url:
         raise InvalidTools("callback_url is required")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts = urlsplit(url)
+        explicit = parts.port  # raises for a port that is not a number in range
+    except ValueError as exc:
+        raise InvalidTools(f"callback_url is not a valid URL: {exc}") from None
+    if (parts.scheme not in ("http", "https") or not parts.hostname
+            or any(char.isspace() or ord(char) < 32 for char in url)):
         raise InvalidTools("callback_url must be an http or https URL")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    port = explicit or (443 if parts.scheme == "https" else 80)
     if not allowlist.allows(parts.hostname, port):
         raise CallbackNotAllowed(
             f"callback host {parts.hostname}:{port} is not allowed; the operator allows "
@@ -261,17 +268,26 @@ class CallbackTools:
             return ToolOutcome(error=f"tool {call.name!r} takes keyword arguments only")
         body = {"call_id": secrets.token_hex(16), "name": call.name, "input": call.arguments}
         try:
-            response = await self._client.post(
-                self._url, json=body, timeout=self.wait_limit,
-                headers={"Authorization": f"Bearer {self._token}"})
+            async with self._client.stream(
+                    "POST", self._url, json=body, timeout=self.wait_limit,
+                    headers={"Authorization": f"Bearer {self._token}"}) as response:
+                if not 200 <= response.status_code < 300:
+                    return ToolOutcome(error=f"tool {call.name!r} failed: HTTP "
+                                             f"{response.status_code}")
+                # Read no more than the code could be handed: a callback that
+                # answers gigabytes costs the host the cap, not the gigabytes.
+                content = bytearray()
+                async for chunk in response.aiter_bytes():
+                    content += chunk
+                    if len(content) > MAX_RESULT_BYTES:
+                        return ToolOutcome(error=f"tool {call.name!r} answered more than "
+                                                 f"{MAX_RESULT_BYTES} bytes")
         except httpx.TimeoutException as exc:
             return ToolOutcome(error=f"tool {call.name!r} transport error: timed out ({exc})")
         except httpx.HTTPError as exc:
             return ToolOutcome(error=f"tool {call.name!r} unreachable: {exc}")
-        if not 200 <= response.status_code < 300:
-            return ToolOutcome(error=f"tool {call.name!r} failed: HTTP {response.status_code}")
         try:
-            answer = response.json()
+            answer = json.loads(content)
         except ValueError:
             return ToolOutcome(error=f"tool {call.name!r} answered with invalid JSON")
         if not isinstance(answer, dict):

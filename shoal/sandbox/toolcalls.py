@@ -16,12 +16,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Awaitable, Protocol
 
+from shoal.agent.protocol import MAX_FRAME_BYTES
+
+from .channel import CallTooLarge
+
 log = logging.getLogger("shoal.sandbox")
 
-MAX_CALLS_PER_BATCH = 64
 MAX_CALLS_PER_CALL = 1000
 _MAX_NAME = 128
 _MAX_REF = 32
+MiB = 1024 * 1024
+# A result travels to the agent in one frame, beside its envelope.
+MAX_RESULT_BYTES = MAX_FRAME_BYTES - 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -65,11 +71,14 @@ class StubSpec:
         return fields
 
 
-def parse_calls(raw: list) -> tuple[list[ToolCall], list[str]]:
-    """The well-formed calls of a batch, and the refs of malformed ones (answered
-    with an error); anything without a usable ref is dropped."""
-    calls, malformed = [], []
-    for entry in raw[:MAX_CALLS_PER_BATCH]:
+def parse_calls(raw: list) -> tuple[list[ToolCall], list[tuple[str, str]]]:
+    """The well-formed calls of a batch, and the refs of the others with why
+    (each answered with that error); anything without a usable ref has no one
+    to answer and is dropped. A batch is every call the code made at once (a
+    Promise.all of 100): each gets an answer, however many, so that no stub
+    waits for one that will never come; the frame's size bounds the work."""
+    calls, refused = [], []
+    for entry in raw:
         if not isinstance(entry, dict):
             continue
         ref = entry.get("ref")
@@ -77,10 +86,18 @@ def parse_calls(raw: list) -> tuple[list[ToolCall], list[str]]:
             continue
         name = entry.get("name")
         if not isinstance(name, str) or not 0 < len(name) <= _MAX_NAME:
-            malformed.append(ref)
+            refused.append((ref, "malformed tool call"))
             continue
-        calls.append(ToolCall(ref, name, entry.get("arguments")))
-    return calls, malformed
+        arguments = entry.get("arguments")
+        try:
+            # What is announced to the client must be JSON: NaN and the
+            # infinities Python writes are not, and a client's parser refuses them.
+            json.dumps(arguments, allow_nan=False)
+        except (TypeError, ValueError):
+            refused.append((ref, "the arguments must be JSON (NaN and infinities are not)"))
+            continue
+        calls.append(ToolCall(ref, name, arguments))
+    return calls, refused
 
 
 @dataclass
@@ -97,16 +114,14 @@ class ToolExchange:
     _remaining: float = 0.0
 
     def on_batch(self, raw: list) -> None:
-        calls, malformed = parse_calls(raw)
+        calls, refused = parse_calls(raw)
         calls = [call for call in calls if call.ref not in self._pending]
-        room = MAX_CALLS_PER_CALL - self.made
-        refused = [call.ref for call in calls[max(room, 0):]]
-        calls = calls[:max(room, 0)]
-        for ref in malformed:
-            self._spawn(ref, _done(ToolOutcome(error="malformed tool call")))
-        for ref in refused:
-            self._spawn(ref, _done(ToolOutcome(
-                error=f"at most {MAX_CALLS_PER_CALL} tool calls are allowed per call")))
+        room = max(MAX_CALLS_PER_CALL - self.made, 0)
+        refused += [(call.ref, f"at most {MAX_CALLS_PER_CALL} tool calls are allowed per call")
+                    for call in calls[room:]]
+        calls = calls[:room]
+        for ref, why in refused:
+            self._spawn(ref, _done(ToolOutcome(error=why)))
         if not calls:
             return
         self.made += len(calls)
@@ -144,7 +159,14 @@ class ToolExchange:
             else:
                 message["output"] = _jsonable(result.output)
             try:
-                await self.send(message)
+                try:
+                    await self.send(message)
+                except CallTooLarge:
+                    # A result the channel cannot carry still answers the stub, at
+                    # once, instead of leaving it to wait out its limit.
+                    await self.send({"op": "tool_result", "id": self.call_id, "ref": ref,
+                                     "error": "the tool's result is too large to hand to the "
+                                              f"code (at most {MAX_RESULT_BYTES // MiB} MiB)"})
             except Exception:  # noqa: BLE001 - the call ends on its own if the channel died
                 pass
         finally:
@@ -165,7 +187,10 @@ class ToolExchange:
     def _resume(self) -> None:
         if self.scope is None or self.scope.expired():
             return
-        self.scope.reschedule(asyncio.get_running_loop().time() + self._remaining)
+        try:
+            self.scope.reschedule(asyncio.get_running_loop().time() + self._remaining)
+        except RuntimeError:
+            pass  # the call is over (cancelled while it waited): no clock to restart
 
     @property
     def waiting(self) -> int:

@@ -108,7 +108,9 @@ class _Callback(BaseHTTPRequestHandler):
             self.send_response(500)
             self.end_headers()
             return
-        if name == "refuses":
+        if name == "huge":  # more than any result may be: 6 MiB of valid JSON
+            answer = {"content": "x" * (6 * 1024 * 1024)}
+        elif name == "refuses":
             answer = {"is_error": True, "content": "no such mailbox"}
         else:
             answer = {"content": {"echo": body["input"], "call_id": body["call_id"]}}
@@ -137,14 +139,15 @@ def register(http, session, url, **extra):
     return http.post(f"/sessions/{session}/programmatic-tools/register", json={
         "callback_url": url, "token": "cb-secret",
         "tools": [{"name": "gmail_list_emails", "doc": "List emails."},
-                  {"name": "refuses", "doc": ""}, {"name": "broken", "doc": ""}], **extra})
+                  {"name": "refuses", "doc": ""}, {"name": "broken", "doc": ""},
+                  {"name": "huge", "doc": ""}], **extra})
 
 
 def test_programmatic_tools_call_back_through_the_host(http, session, callback):
     _Callback.received.clear()
     response = register(http, session, callback, timeout_seconds=10)
     assert response.status_code == 200, response.text
-    assert response.json() == {"stub_path": "_platform_tools", "tool_count": 3}
+    assert response.json() == {"stub_path": "_platform_tools", "tool_count": 4}
     result = exec_code(http, session, (
         "from _platform_tools import gmail_list_emails, refuses, broken, ToolError\n"
         "print(gmail_list_emails(folder='inbox', limit=2)['echo'])\n"
@@ -180,14 +183,32 @@ def test_programmatic_tools_call_back_through_the_host(http, session, callback):
     assert "6d61726b65726d61726b6572" in control.json()["result_block"]["content"]["stdout"]
 
 
+def test_a_callback_that_answers_too_much_fails_its_call_at_once(http, session, callback):
+    # The host read the whole answer into memory (300 MB held 860 MB of the
+    # server), and a result over a frame was then dropped: the code waited out
+    # its limit. Now the read stops at the cap and the code hears why.
+    assert register(http, session, callback, timeout_seconds=60).status_code == 200
+    started = time.monotonic()
+    result = exec_code(http, session, (
+        "from _platform_tools import huge, ToolError\n"
+        "try:\n    huge()\nexcept ToolError as e:\n    print('ToolError', e)\n"))
+    assert time.monotonic() - started < 30
+    stdout = result.json()["result_block"]["content"]["stdout"]
+    assert stdout.startswith("ToolError tool 'huge' answered more than"), stdout
+
+
 def test_a_callback_host_the_operator_did_not_allow_is_refused(http, session, callback):
     for url in ("http://127.0.0.1:1/tools", "http://example.com/tools",
                 "http://169.254.169.254/latest/meta-data"):
         response = register(http, session, url)
         assert response.status_code == 403, response.text
         assert "not allowed" in response.json()["detail"]
-    for bad in ("ftp://127.0.0.1/x", "", None, "not a url"):
-        assert register(http, session, bad).status_code == 422
+    for bad in ("ftp://127.0.0.1/x", "", None, "not a url",
+                # Each was a 500: urlsplit and its port raise on these.
+                "http://127.0.0.1:99999/", "http://127.0.0.1:abc/", "http://[::1/",
+                f"{callback} /", f"{callback}\n"):
+        answer = register(http, session, bad)
+        assert answer.status_code == 422, (bad, answer.text)
     assert http.post(f"/sessions/{session}/programmatic-tools/register", json={
         "callback_url": callback, "token": "t", "tools": [{"name": "import"}]}).status_code == 422
     assert http.post("/sessions/nope/programmatic-tools/register", json={

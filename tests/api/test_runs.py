@@ -363,6 +363,71 @@ def test_cancel_while_waiting_for_a_tool(http):
     assert http.delete(f"/v1/code-execution/runs/{run_id}").status_code == 409
 
 
+def test_a_cancel_while_waiting_leaves_no_task_error(runs_server, http):
+    # The paused clock was restarted on a call already over: an error at each cancel.
+    logged = len(runs_server.log())
+    for language, code in (("python", "advanced_query(sql='x')"),
+                           ("javascript", "await advanced_query({sql: 'x'})")):
+        with run_stream(http, language=language, tools=[QUERY_TOOL],
+                        allowed_tools=["advanced_query"], code=code) as source:
+            for sse in source.iter_sse():
+                if sse.event == "tool_call.required":
+                    assert http.delete(f"/v1/code-execution/runs/{sse.json()['runId']}").status_code == 200
+    time.sleep(0.5)  # the answering tasks end after the cancel
+    log = runs_server.log()[logged:]
+    assert "Task exception was never retrieved" not in log and "Traceback" not in log, log
+
+
+@pytest.mark.parametrize("language, code", [
+    ("python", "import asyncio\n"
+               "async def main():\n"
+               "    return await asyncio.gather(*[advanced_query_async(sql=str(i)) for i in range(100)])\n"
+               "print(len(asyncio.run(main())))"),
+    ("javascript", "const all = await Promise.all(Array.from({length: 100}, (_, i) => "
+                   "advanced_query({sql: String(i)})));\nconsole.log(all.length);"),
+], ids=["python", "javascript"])
+def test_a_hundred_calls_made_at_once_are_all_asked_and_answered(http, language, code):
+    # Past 64 in one batch, calls were never announced nor refused: the code
+    # waited for answers that could not come, and the run timed out.
+    asked = []
+    events = collect(http, answer=lambda call: (asked.append(call["arguments"]["sql"]) or "ok"),
+                     language=language, tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
+                     code=code, timeout_ms=60_000)
+    end = final(events)
+    assert end["event"] == "run.completed" and end["stdout"] == "100\n", end
+    assert sorted(asked, key=int) == [str(i) for i in range(100)]
+    assert end["inner_tool_calls"] == 100
+
+
+def test_arguments_that_are_not_json_are_refused_in_the_code(http):
+    # NaN reached the client in tool_call.required, which no JSON parser reads.
+    events = collect(http, answer=lambda call: pytest.fail(f"the client was asked: {call}"),
+                     tools=[SECRET_TOOL], allowed_tools=["delete_everything"],
+                     code=("try:\n    delete_everything(x=float('nan'))\n"
+                           "except ToolError as e:\n    print(e)"))
+    assert "NaN" in final(events)["stdout"], final(events)
+    assert "tool_call.required" not in names(events)
+
+
+def test_a_tool_result_too_large_for_the_code_is_refused_where_it_is_sent(http):
+    # It was accepted (200) and then dropped: the code waited out its limit.
+    with run_stream(http, tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
+                    code="print(len(advanced_query(sql='x')))") as source:
+        events = []
+        for sse in source.iter_sse():
+            events.append(sse)
+            if sse.event == "tool_call.required":
+                data = sse.json()
+                url = f"/v1/code-execution/runs/{data['runId']}/tool-results"
+                call = data["calls"][0]["call_id"]
+                big = http.post(url, json={"results": [{"call_id": call, "output": "x" * 5_000_000}]})
+                assert big.status_code == 413, big.text
+                assert big.json()["error"]["param"] == "results"
+                ok = http.post(url, json={"results": [{"call_id": call, "output": "x" * 3_000_000}]})
+                assert ok.status_code == 200, ok.text
+    assert final(events)["stdout"] == "3000000\n"
+
+
 def test_cancel_interrupts_running_code(http):
     with run_stream(http, code="import time\nprint('started', flush=True)\ntime.sleep(60)") as src:
         for sse in src.iter_sse():
