@@ -7,6 +7,7 @@ in the file store, the record in the metadata store, both scoped by tenant.
 from __future__ import annotations
 
 import asyncio
+import io
 import secrets
 import time
 from typing import BinaryIO
@@ -17,28 +18,77 @@ from shoal.storage import FileStore, MetadataStore, UploadRecord
 from .containers import TenantQuotaExceeded
 
 
+class _Reservation:
+    """An upload's bytes counted against its tenant's quota while they are
+    written; released once, however the upload ends."""
+
+    def __init__(self, pending: list[int], size: int) -> None:
+        self._pending, self._size = pending, size
+        pending[0] += size
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._pending[0] -= self._size
+
+
 class Uploads:
     def __init__(self, metadata: MetadataStore, files: FileStore, max_bytes: int) -> None:
         self._metadata = metadata
         self._files = files
         self._max_bytes = max_bytes
+        # Per tenant, the bytes of uploads being written: [bytes]. They count as
+        # stored, so of concurrent uploads that do not all fit the rest are refused
+        # before their bytes are written, not after. Counting and committing hold the
+        # tenant's lock (writing does not), so stored plus pending is exact while
+        # the lock is free. Tenants are those the tokens name: both stay small.
+        self._pending: dict[str, list[int]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _lock(self, tenant: str) -> asyncio.Lock:
+        return self._locks.setdefault(tenant, asyncio.Lock())
+
+    def _check(self, used: int, size: int) -> None:
+        if used >= self._max_bytes:
+            raise TenantQuotaExceeded(f"this tenant's uploads hold {used} bytes, its quota of "
+                                      f"{self._max_bytes}; delete some before uploading more")
+        if used + size > self._max_bytes:
+            raise TenantQuotaExceeded(f"this upload would take this tenant's uploads past its "
+                                      f"quota of {self._max_bytes} bytes")
+
+    async def _reserve(self, tenant: str, size: int) -> _Reservation:
+        async with self._lock(tenant):
+            _, used = await self._metadata.upload_usage(tenant)
+            pending = self._pending.setdefault(tenant, [0])
+            self._check(used + pending[0], size)
+            return _Reservation(pending, size)
 
     async def create(self, tenant: str, filename: str, source: BinaryIO,
                      purpose: str | None = None) -> UploadRecord:
-        stored = sum(record.size for record in await self._metadata.list_uploads(tenant))
-        if stored >= self._max_bytes:
-            raise TenantQuotaExceeded(f"this tenant's uploads hold {stored} bytes, its quota of "
-                                      f"{self._max_bytes}; delete some before uploading more")
+        start = source.tell()
+        size = source.seek(0, io.SEEK_END) - start
+        source.seek(start)
+        reservation = await self._reserve(tenant, size)
         upload_id = "file-" + secrets.token_hex(12)
-        size = await asyncio.to_thread(self._files.write_upload, tenant, upload_id, source)
-        if stored + size > self._max_bytes:
-            await asyncio.to_thread(self._files.delete_upload, tenant, upload_id)
+        stored = False
+        try:
+            written = await asyncio.to_thread(self._files.write_upload, tenant, upload_id, source)
+            record = UploadRecord(tenant=tenant, id=upload_id, filename=filename, size=written,
+                                  created_at=time.time(), purpose=purpose,
+                                  mime_type=guess_mime_type(filename))
+            async with self._lock(tenant):
+                # The store has the last word: front ends sharing a database do not
+                # see each other's pending uploads.
+                stored = await self._metadata.add_upload(record, self._max_bytes)
+                reservation.release()
+        finally:
+            reservation.release()
+            if not stored:
+                await asyncio.to_thread(self._files.delete_upload, tenant, upload_id)
+        if not stored:
             raise TenantQuotaExceeded(f"this upload would take this tenant's uploads past its "
                                       f"quota of {self._max_bytes} bytes")
-        record = UploadRecord(tenant=tenant, id=upload_id, filename=filename, size=size,
-                              created_at=time.time(), purpose=purpose,
-                              mime_type=guess_mime_type(filename))
-        await self._metadata.put_upload(record)
         return record
 
     async def get(self, tenant: str, upload_id: str) -> UploadRecord:

@@ -167,6 +167,16 @@ class MetadataStore(abc.ABC):
     async def put_upload(self, record: UploadRecord) -> None: ...
 
     @abc.abstractmethod
+    async def add_upload(self, record: UploadRecord, max_bytes: int) -> bool:
+        """Insert a new upload unless the tenant's uploads would then hold more than
+        ``max_bytes``; whether it was. Atomic across front ends: of
+        concurrent uploads that do not all fit, only those that fit are inserted."""
+
+    @abc.abstractmethod
+    async def upload_usage(self, tenant: str) -> tuple[int, int]:
+        """How many uploads the tenant holds, and their bytes."""
+
+    @abc.abstractmethod
     async def get_upload(self, tenant: str, upload_id: str) -> UploadRecord | None: ...
 
     @abc.abstractmethod

@@ -31,6 +31,9 @@ from .sqlite import (_MIGRATIONS, _TAKE_OVER, SCHEMA_VERSION, SchemaTooNew, _con
                      _upload)
 
 _LOCK_KEY = 0x5E0A1  # pg_advisory_xact_lock: one migrator at a time
+# pg_advisory_xact_lock(_UPLOADS_LOCK, hashtext(tenant)): one upload of a tenant is
+# counted against its quota at a time (the two-key form never meets _LOCK_KEY's).
+_UPLOADS_LOCK = 0x5E0A2
 _VERSION_TABLE = "CREATE TABLE IF NOT EXISTS shoal_schema (version INTEGER NOT NULL)"
 _CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_after_minutes, "
                       "status, implicit, memory_limit, network_policy")
@@ -247,6 +250,27 @@ class PostgresMetadataStore(MetadataStore):
             "mime_type = EXCLUDED.mime_type, extra = EXCLUDED.extra",
             record.tenant, record.id, record.filename, record.size, record.created_at,
             record.purpose, record.mime_type, json.dumps(record.extra))
+
+    async def add_upload(self, record: UploadRecord, max_bytes: int) -> bool:
+        # Under READ COMMITTED, two front ends could each read totals without the
+        # other's upload and both insert: the tenant's lock makes it one at a time.
+        async with self.pool.acquire() as db, db.transaction():
+            await db.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))",
+                             _UPLOADS_LOCK, record.tenant)
+            used = await db.fetchval("SELECT COALESCE(sum(size), 0) FROM uploads "
+                                     "WHERE tenant = $1", record.tenant)
+            if used + record.size > max_bytes:
+                return False
+            await db.execute(
+                f"INSERT INTO uploads ({_UPLOAD_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
+                record.tenant, record.id, record.filename, record.size, record.created_at,
+                record.purpose, record.mime_type, json.dumps(record.extra))
+        return True
+
+    async def upload_usage(self, tenant: str) -> tuple[int, int]:
+        count, used = await self.pool.fetchrow("SELECT count(*), COALESCE(sum(size), 0) FROM "
+                                               "uploads WHERE tenant = $1", tenant)
+        return count, int(used)
 
     async def get_upload(self, tenant: str, upload_id: str) -> UploadRecord | None:
         row = await self.pool.fetchrow(f"SELECT {_UPLOAD_COLUMNS} FROM uploads WHERE "

@@ -358,6 +358,24 @@ class SqliteMetadataStore(MetadataStore):
             (record.tenant, record.id, record.filename, record.size, record.created_at,
              record.purpose, record.mime_type, json.dumps(record.extra)))
 
+    async def add_upload(self, record: UploadRecord, max_bytes: int) -> bool:
+        # One statement: SQLite runs it whole, so no other write comes between
+        # the tenant's totals and the insert they allow.
+        cursor = await self.db.execute(
+            "INSERT INTO uploads (tenant, id, filename, size, created_at, purpose, mime_type, "
+            "extra) SELECT ?,?,?,?,?,?,?,? "
+            "WHERE (SELECT COALESCE(SUM(size), 0) FROM uploads WHERE tenant = ?) + ? <= ?",
+            (record.tenant, record.id, record.filename, record.size, record.created_at,
+             record.purpose, record.mime_type, json.dumps(record.extra),
+             record.tenant, record.size, max_bytes))
+        await self.db.commit()
+        return cursor.rowcount == 1
+
+    async def upload_usage(self, tenant: str) -> tuple[int, int]:
+        rows = await self._rows("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM uploads "
+                                "WHERE tenant = ?", (tenant,))
+        return rows[0][0], rows[0][1]
+
     async def get_upload(self, tenant: str, upload_id: str) -> UploadRecord | None:
         rows = await self._rows("SELECT tenant, id, filename, size, created_at, purpose, mime_type, "
                                 "extra FROM uploads WHERE tenant = ? AND id = ?", (tenant, upload_id))

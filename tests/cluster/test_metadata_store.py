@@ -175,6 +175,43 @@ async def test_files_uploads_runs_responses(store):
     assert await store.delete_responses_before(old + 1) == 1
 
 
+def upload(id: str, size: int, tenant: str = "alpha") -> UploadRecord:
+    return UploadRecord(tenant, id, f"{id}.bin", size, time.time())
+
+
+async def test_add_upload_keeps_a_tenant_within_its_bytes(store):
+    assert await store.upload_usage("alpha") == (0, 0)
+    assert await store.add_upload(upload("u1", 60), max_bytes=100)
+    assert not await store.add_upload(upload("u2", 41), max_bytes=100)
+    assert await store.add_upload(upload("u3", 40), max_bytes=100)
+    assert not await store.add_upload(upload("u4", 1), max_bytes=100)
+    assert await store.upload_usage("alpha") == (2, 100)
+    assert [u.id for u in await store.list_uploads("alpha")] == ["u1", "u3"]
+    # Another tenant's uploads are not counted.
+    assert await store.add_upload(upload("u1", 100, "beta"), max_bytes=100)
+    assert await store.upload_usage("beta") == (1, 100)
+
+
+async def test_front_ends_adding_uploads_at_once_stay_within_the_quota(make_store, request):
+    # Each front end counts only its own uploads in flight: the store's check and
+    # insert must be one step, or two front ends each add what only one may.
+    stores = [make_store() for _ in range(
+        1 if request.node.callspec.params["make_store"] == "sqlite" else 3)]
+    for each in stores:
+        await each.open()
+    try:
+        for round in range(10):
+            tenant = f"racer{round}"
+            added = await asyncio.gather(*(
+                stores[i % len(stores)].add_upload(upload(f"u{i}", 30, tenant), max_bytes=100)
+                for i in range(12)))
+            assert added.count(True) == 3, added
+            assert await stores[0].upload_usage(tenant) == (3, 90)
+    finally:
+        for each in stores:
+            await each.close()
+
+
 async def test_front_ends_share_one_database(make_store, request):
     if request.node.callspec.params["make_store"] == "sqlite":
         pytest.skip("the embedded store serves one front end (a data-directory lock)")

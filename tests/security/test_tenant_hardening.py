@@ -14,8 +14,10 @@ import os
 import shutil
 import struct
 import subprocess
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -154,6 +156,49 @@ def test_upload_bytes_per_tenant_are_capped(tenants_server):
         assert beta.post("/v1/files", files={"file": ("c.bin", b"x" * 40 * 1024)},
                          data={"purpose": "user_data"}).status_code == 200
         alpha.delete(f"/v1/files/{first.json()['id']}")
+
+
+@pytest.fixture(scope="module")
+def uploads_server(security_server_factory):
+    return security_server_factory(tokens="tok-a=alpha,tok-b=beta", pool_size=1, max_sessions=2,
+                                   tenant_max_upload_bytes=100_000)
+
+
+def upload_at_once(server, token: str, sizes: list[int]) -> list[httpx.Response]:
+    """The uploads, sent together: each waits at a barrier, then posts."""
+    barrier = threading.Barrier(len(sizes))
+
+    def send(number: int, size: int) -> httpx.Response:
+        with client(server, token) as http:
+            barrier.wait()
+            return http.post("/v1/files", files={"file": (f"u{number}.bin", b"x" * size)},
+                             data={"purpose": "user_data"})
+
+    with ThreadPoolExecutor(len(sizes)) as pool:
+        return list(pool.map(send, range(len(sizes)), sizes))
+
+
+def stored_upload_bytes(server) -> int:
+    return sum(path.stat().st_size for path in (server.data_dir / "uploads").rglob("*")
+               if path.is_file())
+
+
+def test_concurrent_uploads_never_store_past_the_byte_quota(uploads_server):
+    # Each upload read the tenant's total, wrote, then compared with the stale
+    # total: six concurrent 90,000-byte uploads stored 270,000 against 100,000.
+    with client(uploads_server, "tok-a") as alpha:
+        for _ in range(3):
+            answers = upload_at_once(uploads_server, "tok-a", [40_000] * 12)
+            statuses = sorted(answer.status_code for answer in answers)
+            assert statuses == [200] * 2 + [429] * 10, [a.text for a in answers]
+            refused = next(answer for answer in answers if answer.status_code == 429)
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+            assert "quota" in refused.json()["error"]["message"] and refused.headers["retry-after"]
+            listed = alpha.get("/v1/files").json()["data"]
+            assert sum(item["bytes"] for item in listed) == 80_000
+            assert stored_upload_bytes(uploads_server) == 80_000  # refused ones left nothing
+            for item in listed:
+                assert alpha.delete(f"/v1/files/{item['id']}").status_code == 200
 
 
 def test_health_and_metrics_tell_tenants_nothing_of_each_other(tenants_server):
