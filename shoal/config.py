@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     tenant_max_upload_bytes: int = Field(10 * 1024 * MiB, ge=1, description="Bytes one "
                                          "tenant's Files API uploads may add up to; more "
                                          "answer 429.")
+    tenant_max_upload_files: int = Field(10_000, ge=1, description="Files one tenant's Files "
+                                         "API uploads may number (each is a database row and "
+                                         "a stored object, however small); more answer 429.")
     idle_timeout_seconds: int = Field(600, ge=1, description="Default idle timeout.")
     max_idle_timeout_seconds: int = Field(3600, ge=1, description="Ceiling for idle timeout hints.")
     max_lifetime_seconds: int = Field(3600, ge=1, description="Default maximum lifetime.")

@@ -48,7 +48,8 @@ class SessionManager:
                                 settings.max_file_bytes, settings.object_store_config())
         self.containers = ContainerManager(settings, self.pool, self.metadata, self.files)
         self.container_files = ContainerFiles(self.containers, self.metadata)
-        self.uploads = Uploads(self.metadata, self.files, settings.tenant_max_upload_bytes)
+        self.uploads = Uploads(self.metadata, self.files, settings.tenant_max_upload_bytes,
+                               settings.tenant_max_upload_files)
         self._sessions: dict[str, Session] = {}
         self._reserved = 0
         self._held: dict[str, int] = {}  # slots per tenant: its sessions and runs

@@ -19,37 +19,44 @@ from .containers import TenantQuotaExceeded
 
 
 class _Reservation:
-    """An upload's bytes counted against its tenant's quota while they are
-    written; released once, however the upload ends."""
+    """An upload's bytes and file counted against its tenant's quota while they
+    are written; released once, however the upload ends."""
 
     def __init__(self, pending: list[int], size: int) -> None:
         self._pending, self._size = pending, size
         pending[0] += size
+        pending[1] += 1
         self._held = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
             self._pending[0] -= self._size
+            self._pending[1] -= 1
 
 
 class Uploads:
-    def __init__(self, metadata: MetadataStore, files: FileStore, max_bytes: int) -> None:
+    def __init__(self, metadata: MetadataStore, files: FileStore, max_bytes: int,
+                 max_files: int) -> None:
         self._metadata = metadata
         self._files = files
         self._max_bytes = max_bytes
-        # Per tenant, the bytes of uploads being written: [bytes]. They count as
+        self._max_files = max_files
+        # Per tenant, the uploads being written: [bytes, files]. They count as
         # stored, so of concurrent uploads that do not all fit the rest are refused
-        # before their bytes are written, not after. Counting and committing hold the
-        # tenant's lock (writing does not), so stored plus pending is exact while
-        # the lock is free. Tenants are those the tokens name: both stay small.
+        # before their bytes are written, not after. Counting and committing hold
+        # the tenant's lock (writing does not), so stored plus pending is exact
+        # while the lock is free. Tenants are those the tokens name: both stay small.
         self._pending: dict[str, list[int]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
     def _lock(self, tenant: str) -> asyncio.Lock:
         return self._locks.setdefault(tenant, asyncio.Lock())
 
-    def _check(self, used: int, size: int) -> None:
+    def _check(self, count: int, used: int, size: int) -> None:
+        if count >= self._max_files:
+            raise TenantQuotaExceeded(f"this tenant holds {count} uploaded files, its quota of "
+                                      f"{self._max_files}; delete some before uploading more")
         if used >= self._max_bytes:
             raise TenantQuotaExceeded(f"this tenant's uploads hold {used} bytes, its quota of "
                                       f"{self._max_bytes}; delete some before uploading more")
@@ -59,9 +66,9 @@ class Uploads:
 
     async def _reserve(self, tenant: str, size: int) -> _Reservation:
         async with self._lock(tenant):
-            _, used = await self._metadata.upload_usage(tenant)
-            pending = self._pending.setdefault(tenant, [0])
-            self._check(used + pending[0], size)
+            count, used = await self._metadata.upload_usage(tenant)
+            pending = self._pending.setdefault(tenant, [0, 0])
+            self._check(count + pending[1], used + pending[0], size)
             return _Reservation(pending, size)
 
     async def create(self, tenant: str, filename: str, source: BinaryIO,
@@ -80,7 +87,8 @@ class Uploads:
             async with self._lock(tenant):
                 # The store has the last word: front ends sharing a database do not
                 # see each other's pending uploads.
-                stored = await self._metadata.add_upload(record, self._max_bytes)
+                stored = await self._metadata.add_upload(record, self._max_bytes,
+                                                         self._max_files)
                 reservation.release()
         finally:
             reservation.release()
@@ -88,7 +96,8 @@ class Uploads:
                 await asyncio.to_thread(self._files.delete_upload, tenant, upload_id)
         if not stored:
             raise TenantQuotaExceeded(f"this upload would take this tenant's uploads past its "
-                                      f"quota of {self._max_bytes} bytes")
+                                      f"quota of {self._max_bytes} bytes or "
+                                      f"{self._max_files} files")
         return record
 
     async def get(self, tenant: str, upload_id: str) -> UploadRecord:

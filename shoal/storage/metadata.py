@@ -167,9 +167,9 @@ class MetadataStore(abc.ABC):
     async def put_upload(self, record: UploadRecord) -> None: ...
 
     @abc.abstractmethod
-    async def add_upload(self, record: UploadRecord, max_bytes: int) -> bool:
+    async def add_upload(self, record: UploadRecord, max_bytes: int, max_files: int) -> bool:
         """Insert a new upload unless the tenant's uploads would then hold more than
-        ``max_bytes``; whether it was. Atomic across front ends: of
+        ``max_bytes`` or ``max_files``; whether it was. Atomic across front ends: of
         concurrent uploads that do not all fit, only those that fit are inserted."""
 
     @abc.abstractmethod

@@ -251,15 +251,15 @@ class PostgresMetadataStore(MetadataStore):
             record.tenant, record.id, record.filename, record.size, record.created_at,
             record.purpose, record.mime_type, json.dumps(record.extra))
 
-    async def add_upload(self, record: UploadRecord, max_bytes: int) -> bool:
+    async def add_upload(self, record: UploadRecord, max_bytes: int, max_files: int) -> bool:
         # Under READ COMMITTED, two front ends could each read totals without the
         # other's upload and both insert: the tenant's lock makes it one at a time.
         async with self.pool.acquire() as db, db.transaction():
             await db.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))",
                              _UPLOADS_LOCK, record.tenant)
-            used = await db.fetchval("SELECT COALESCE(sum(size), 0) FROM uploads "
-                                     "WHERE tenant = $1", record.tenant)
-            if used + record.size > max_bytes:
+            count, used = await db.fetchrow("SELECT count(*), COALESCE(sum(size), 0) FROM "
+                                            "uploads WHERE tenant = $1", record.tenant)
+            if count >= max_files or used + record.size > max_bytes:
                 return False
             await db.execute(
                 f"INSERT INTO uploads ({_UPLOAD_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",

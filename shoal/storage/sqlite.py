@@ -358,16 +358,16 @@ class SqliteMetadataStore(MetadataStore):
             (record.tenant, record.id, record.filename, record.size, record.created_at,
              record.purpose, record.mime_type, json.dumps(record.extra)))
 
-    async def add_upload(self, record: UploadRecord, max_bytes: int) -> bool:
+    async def add_upload(self, record: UploadRecord, max_bytes: int, max_files: int) -> bool:
         # One statement: SQLite runs it whole, so no other write comes between
         # the tenant's totals and the insert they allow.
         cursor = await self.db.execute(
             "INSERT INTO uploads (tenant, id, filename, size, created_at, purpose, mime_type, "
-            "extra) SELECT ?,?,?,?,?,?,?,? "
-            "WHERE (SELECT COALESCE(SUM(size), 0) FROM uploads WHERE tenant = ?) + ? <= ?",
+            "extra) SELECT ?,?,?,?,?,?,?,? WHERE (SELECT COUNT(*) FROM uploads WHERE tenant = ?) "
+            "< ? AND (SELECT COALESCE(SUM(size), 0) FROM uploads WHERE tenant = ?) + ? <= ?",
             (record.tenant, record.id, record.filename, record.size, record.created_at,
              record.purpose, record.mime_type, json.dumps(record.extra),
-             record.tenant, record.size, max_bytes))
+             record.tenant, max_files, record.tenant, record.size, max_bytes))
         await self.db.commit()
         return cursor.rowcount == 1
 

@@ -179,16 +179,18 @@ def upload(id: str, size: int, tenant: str = "alpha") -> UploadRecord:
     return UploadRecord(tenant, id, f"{id}.bin", size, time.time())
 
 
-async def test_add_upload_keeps_a_tenant_within_its_bytes(store):
+async def test_add_upload_keeps_a_tenant_within_its_bytes_and_files(store):
     assert await store.upload_usage("alpha") == (0, 0)
-    assert await store.add_upload(upload("u1", 60), max_bytes=100)
-    assert not await store.add_upload(upload("u2", 41), max_bytes=100)
-    assert await store.add_upload(upload("u3", 40), max_bytes=100)
-    assert not await store.add_upload(upload("u4", 1), max_bytes=100)
-    assert await store.upload_usage("alpha") == (2, 100)
-    assert [u.id for u in await store.list_uploads("alpha")] == ["u1", "u3"]
+    assert await store.add_upload(upload("u1", 60), max_bytes=100, max_files=3)
+    assert not await store.add_upload(upload("u2", 41), max_bytes=100, max_files=3)
+    assert await store.add_upload(upload("u3", 40), max_bytes=100, max_files=3)
+    assert not await store.add_upload(upload("u4", 0), max_bytes=100, max_files=2)
+    assert await store.add_upload(upload("u5", 0), max_bytes=100, max_files=3)
+    assert not await store.add_upload(upload("u6", 0), max_bytes=100, max_files=3)
+    assert await store.upload_usage("alpha") == (3, 100)
+    assert [u.id for u in await store.list_uploads("alpha")] == ["u1", "u3", "u5"]
     # Another tenant's uploads are not counted.
-    assert await store.add_upload(upload("u1", 100, "beta"), max_bytes=100)
+    assert await store.add_upload(upload("u1", 100, "beta"), max_bytes=100, max_files=1)
     assert await store.upload_usage("beta") == (1, 100)
 
 
@@ -203,10 +205,16 @@ async def test_front_ends_adding_uploads_at_once_stay_within_the_quota(make_stor
         for round in range(10):
             tenant = f"racer{round}"
             added = await asyncio.gather(*(
-                stores[i % len(stores)].add_upload(upload(f"u{i}", 30, tenant), max_bytes=100)
+                stores[i % len(stores)].add_upload(upload(f"u{i}", 30, tenant), max_bytes=100,
+                                                   max_files=50)
                 for i in range(12)))
             assert added.count(True) == 3, added
             assert await stores[0].upload_usage(tenant) == (3, 90)
+            added = await asyncio.gather(*(
+                stores[i % len(stores)].add_upload(upload(f"e{i}", 0, tenant), max_bytes=100,
+                                                   max_files=5)
+                for i in range(12)))
+            assert added.count(True) == 2, added
     finally:
         for each in stores:
             await each.close()

@@ -161,7 +161,7 @@ def test_upload_bytes_per_tenant_are_capped(tenants_server):
 @pytest.fixture(scope="module")
 def uploads_server(security_server_factory):
     return security_server_factory(tokens="tok-a=alpha,tok-b=beta", pool_size=1, max_sessions=2,
-                                   tenant_max_upload_bytes=100_000)
+                                   tenant_max_upload_bytes=100_000, tenant_max_upload_files=5)
 
 
 def upload_at_once(server, token: str, sizes: list[int]) -> list[httpx.Response]:
@@ -199,6 +199,32 @@ def test_concurrent_uploads_never_store_past_the_byte_quota(uploads_server):
             assert stored_upload_bytes(uploads_server) == 80_000  # refused ones left nothing
             for item in listed:
                 assert alpha.delete(f"/v1/files/{item['id']}").status_code == 200
+
+
+def test_uploaded_files_per_tenant_are_capped(uploads_server):
+    # Empty files cost no bytes, but each is a row and an inode: 4,000 were taken.
+    with client(uploads_server, "tok-b") as beta, client(uploads_server, "tok-a") as alpha:
+        answers = upload_at_once(uploads_server, "tok-b", [0] * 12)
+        assert sorted(a.status_code for a in answers) == [200] * 5 + [429] * 7, \
+            [a.text for a in answers]
+        over = beta.post("/v1/files", files={"file": ("more.txt", b"")},
+                         data={"purpose": "user_data"})
+        assert over.status_code == 429 and over.headers["retry-after"]
+        error = over.json()["error"]
+        assert error["type"] == "rate_limit_error" and "5 uploaded files" in error["message"]
+        anthropic = beta.post("/v1/files", files={"file": ("more.txt", b"")},
+                              headers={"anthropic-version": "2023-06-01"})
+        assert anthropic.status_code == 429 and anthropic.headers["retry-after"]
+        assert anthropic.json()["type"] == "error"
+        assert anthropic.json()["error"]["type"] == "rate_limit_error"
+        listed = beta.get("/v1/files").json()["data"]
+        assert len(listed) == 5
+        # Another tenant's files are its own; a deleted file frees its place.
+        assert alpha.post("/v1/files", files={"file": ("a.txt", b"")},
+                          data={"purpose": "user_data"}).status_code == 200
+        assert beta.delete(f"/v1/files/{listed[0]['id']}").status_code == 200
+        assert beta.post("/v1/files", files={"file": ("again.txt", b"")},
+                         data={"purpose": "user_data"}).status_code == 200
 
 
 def test_health_and_metrics_tell_tenants_nothing_of_each_other(tenants_server):
