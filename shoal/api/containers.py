@@ -22,7 +22,7 @@ from shoal.sessions.network import (InvalidNetworkPolicy, check_network_policy,
                                     render_network_policy)
 from shoal.storage import ContainerRecord
 
-from ._bodies import read_json_object
+from ._bodies import distinct_file_ids, read_json_object
 from ._pagination import check_limit, paginate
 from ._responses import file_response, json_response
 from ._uploads import read_upload, upload_file_name
@@ -114,6 +114,7 @@ async def create_container(request: Request, tenant: str = Depends(tenant_of)) -
     file_ids = body.get("file_ids") or []
     if not isinstance(file_ids, list) or not all(isinstance(f, str) for f in file_ids):
         raise BadRequest(422, "file_ids must be a list of file ids")
+    file_ids = distinct_file_ids(file_ids)
     try:
         policy = check_network_policy(body.get("network_policy"))
     except InvalidNetworkPolicy as exc:

@@ -22,7 +22,7 @@ from shoal.runs import (DEFAULT_TIMEOUT_MS, LANGUAGES, MAX_TIMEOUT_MS, EventLog,
 
 from shoal.sandbox.toolcalls import MAX_RESULT_BYTES
 
-from ._bodies import read_json_object
+from ._bodies import distinct_file_ids, read_json_object
 from ._sse import EventStream, encode_batch
 from ._responses import json_response
 from .auth import tenant_of
@@ -60,6 +60,7 @@ def parse_run(body: dict) -> RunRequest:
     file_ids = body.get("file_ids") or []
     if not isinstance(file_ids, list) or not all(isinstance(f, str) and f for f in file_ids):
         raise BadRequest(422, "file_ids must be a list of file ids", param="file_ids")
+    file_ids = distinct_file_ids(file_ids)
     timeout_ms = body.get("timeout_ms", DEFAULT_TIMEOUT_MS)
     if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 1:
         raise BadRequest(422, "timeout_ms must be a positive integer", param="timeout_ms")

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from shoal.sandbox.result import Limit
 
+from ._bodies import MAX_FILE_IDS
 from .errors import ErrorBody
 
 
@@ -494,7 +495,8 @@ class CreateContainer(Wire):
     name: str | None = None
     expires_after: RequestedExpiry | None = None
     file_ids: list[str] = Field(default_factory=list, description="Tenant Files API uploads "
-                                                                  "to attach")
+                                f"to attach: at most {MAX_FILE_IDS} distinct ids (a repeated "
+                                "id is attached once)")
     memory_limit: Literal["1g", "4g", "16g", "64g"] | None = None
     network_policy: NetworkPolicy | None = None
 
@@ -551,7 +553,9 @@ class StartRun(Wire):
                                                                        "call (default-deny)")
     container: str | None = Field(None, description="A container id (container_id is accepted "
                                                     "too)")
-    file_ids: list[str] = Field(default_factory=list)
+    file_ids: list[str] = Field(default_factory=list, description="Tenant Files API uploads "
+                                f"to attach: at most {MAX_FILE_IDS} distinct ids (a repeated "
+                                "id is attached once)")
     timeout_ms: int = Field(30_000, ge=1, description="Clamped to 300000")
 
 

@@ -110,3 +110,21 @@ def test_bad_requests_are_refused(client):
         client.containers.create(name="x", file_ids=["file-doesnotexist"])
     with pytest.raises(openai.NotFoundError):
         client.containers.retrieve("cnt_doesnotexist")
+
+
+def test_file_ids_are_attached_once_each_and_at_most_fifty(client):
+    # 3,000 copies of one 1 MiB id wrote the file 3,000 times (13 s): a repeated
+    # id is attached once, so this is one id, well under the cap.
+    upload = client.files.create(file=("big.bin", b"x" * (1024 * 1024 - 1024)),
+                                 purpose="user_data")
+    container = client.containers.create(name="dup", file_ids=[upload.id] * 3000)
+    assert [f.path for f in client.containers.files.list(container.id)] == \
+        ["/mnt/user-data/uploads/big.bin"]
+    client.containers.delete(container.id)
+    # 51 distinct ids are refused before any is looked up.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.containers.create(name="x", file_ids=[f"file-{i}" for i in range(51)])
+    assert refused.value.param == "file_ids" and refused.value.type == "invalid_request_error"
+    assert "at most 50" in refused.value.message
+    client.files.delete(upload.id)
+

@@ -541,6 +541,19 @@ def test_file_ids_without_a_container_make_an_implicit_one(http):
     assert container["implicit"] is True
 
 
+def test_file_ids_are_attached_once_each_and_at_most_fifty(http):
+    file_id = _upload(http, "once.txt", b"1\n")
+    events = collect(http, file_ids=[file_id] * 500,
+                     code="import os\nprint(sorted(os.listdir('external-files')))")
+    assert final(events)["stdout"] == "['once.txt']\n"
+    refused = http.post("/v1/code-execution/runs", json={
+        "code": "print(1)", "file_ids": [f"file-{i}" for i in range(51)]})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "file_ids" and error["type"] == "invalid_request_error"
+    assert "at most 50" in error["message"]
+
+
 def test_a_run_on_a_container_reads_its_files_and_adds_what_it_produces(http):
     container = http.post("/v1/containers", json={"name": "report"}).json()
     cid = container["id"]
