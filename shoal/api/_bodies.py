@@ -19,6 +19,9 @@ from .errors import BadRequest
 # upload named 3,000 times took 13 s). More go in one at a time, by
 # POST /v1/containers/{id}/files.
 MAX_FILE_IDS = 50
+# A container's name: OpenAI documents no cap, but every listing carries each
+# name, so one must exist (a 1 MB name rode along on every GET /v1/containers).
+MAX_CONTAINER_NAME_CHARS = 256
 
 
 def distinct_file_ids(file_ids: list[str], param: str = "file_ids") -> list[str]:

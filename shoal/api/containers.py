@@ -22,7 +22,7 @@ from shoal.sessions.network import (InvalidNetworkPolicy, check_network_policy,
                                     render_network_policy)
 from shoal.storage import ContainerRecord
 
-from ._bodies import distinct_file_ids, read_json_object
+from ._bodies import MAX_CONTAINER_NAME_CHARS, distinct_file_ids, read_json_object
 from ._pagination import check_limit, paginate
 from ._responses import file_response, json_response
 from ._uploads import read_upload, upload_file_name
@@ -105,6 +105,9 @@ async def create_container(request: Request, tenant: str = Depends(tenant_of)) -
     name = body.get("name")  # optional in Caronte's API; OpenAI's SDK always sends one
     if name is not None and not isinstance(name, str):
         raise BadRequest(422, "name must be a string", param="name")
+    if name is not None and len(name) > MAX_CONTAINER_NAME_CHARS:
+        raise BadRequest(400, f"name is {len(name)} characters long; at most "
+                              f"{MAX_CONTAINER_NAME_CHARS}", param="name")
     expires_after = body.get("expires_after") or {}
     if not isinstance(expires_after, dict):
         raise BadRequest(422, "expires_after must be an object")

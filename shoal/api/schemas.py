@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from shoal.sandbox.result import Limit
 
-from ._bodies import MAX_FILE_IDS
+from ._bodies import MAX_CONTAINER_NAME_CHARS, MAX_FILE_IDS
 from .errors import ErrorBody
 
 
@@ -492,7 +492,7 @@ class RequestedExpiry(Wire):
 
 
 class CreateContainer(Wire):
-    name: str | None = None
+    name: str | None = Field(None, max_length=MAX_CONTAINER_NAME_CHARS)
     expires_after: RequestedExpiry | None = None
     file_ids: list[str] = Field(default_factory=list, description="Tenant Files API uploads "
                                 f"to attach: at most {MAX_FILE_IDS} distinct ids (a repeated "

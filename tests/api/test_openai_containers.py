@@ -128,3 +128,14 @@ def test_file_ids_are_attached_once_each_and_at_most_fifty(client):
     assert "at most 50" in refused.value.message
     client.files.delete(upload.id)
 
+
+def test_a_container_name_is_at_most_256_characters(client):
+    # A 1 MB name was taken, and then carried by every listing of containers.
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.containers.create(name="n" * 1_000_000)
+    assert refused.value.param == "name" and refused.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError):
+        client.containers.create(name="n" * 257)
+    longest = client.containers.create(name="\u00e9" * 256)  # characters, not bytes
+    assert longest.name == "\u00e9" * 256
+    client.containers.delete(longest.id)
