@@ -112,18 +112,25 @@ class ContainerFiles:
         self._containers = containers
         self._metadata = metadata
 
+    # Every method works inside ContainerManager.using: a container deleted since
+    # the caller looked it up is a 404 (UnknownContainer), never files or rows
+    # written for it after its deletion.
     async def list(self, record: ContainerRecord) -> list[ContainerFile]:
-        files = self._containers.files_of(record)
+        async with self._containers.using(record):
+            files = await self._containers.files_of(record)
 
-        def scan() -> list[FileEntry]:
-            return [*files.list(SandboxPath(UPLOADS, ())), *files.list(SandboxPath(OUTPUTS, ()))]
+            def scan() -> list[FileEntry]:
+                return [*files.list(SandboxPath(UPLOADS, ())),
+                        *files.list(SandboxPath(OUTPUTS, ()))]
 
-        entries = await asyncio.to_thread(scan)
-        known = {row.path: row for row in await self._metadata.list_files(record.tenant, record.id)}
-        current = [await self._reconciled(record, entry, known.pop(entry.path.sandbox_path, None))
-                   for entry in entries]
-        if known:
-            await self._metadata.delete_files(record.tenant, record.id, list(known))
+            entries = await asyncio.to_thread(scan)
+            known = {row.path: row
+                     for row in await self._metadata.list_files(record.tenant, record.id)}
+            current = [await self._reconciled(record, entry,
+                                              known.pop(entry.path.sandbox_path, None))
+                       for entry in entries]
+            if known:
+                await self._metadata.delete_files(record.tenant, record.id, list(known))
         current.sort(key=lambda row: (row.created_at, row.path))
         return [ContainerFile(row) for row in current]
 
@@ -143,34 +150,37 @@ class ContainerFiles:
     async def get(self, record: ContainerRecord, file_id: str) -> ContainerFile:
         """One file by id: looked up directly, without listing the container."""
         path = _path_of_id(file_id)
-        try:
-            entry = await asyncio.to_thread(self._containers.files_of(record).stat, path)
-        except FileAccessError:
-            raise _missing(file_id) from None  # only regular files have ids, as in a listing
-        if path.mount == WORKSPACE:
-            # Workspace files are not listed, but addressable by id all the same.
-            return ContainerFile(FileRecord(tenant=record.tenant, container_id=record.id,
-                                            path=path.sandbox_path, created_at=entry.modified_at,
-                                            size=entry.size, source="assistant"))
-        row = await self._metadata.get_file(record.tenant, record.id, path.sandbox_path)
-        return ContainerFile(await self._reconciled(record, entry, row))
+        async with self._containers.using(record):
+            files = await self._containers.files_of(record)
+            try:
+                entry = await asyncio.to_thread(files.stat, path)
+            except FileAccessError:
+                raise _missing(file_id) from None  # only regular files have ids, as listed
+            if path.mount == WORKSPACE:
+                # Workspace files are not listed, but addressable by id all the same.
+                return ContainerFile(FileRecord(
+                    tenant=record.tenant, container_id=record.id, path=path.sandbox_path,
+                    created_at=entry.modified_at, size=entry.size, source="assistant"))
+            row = await self._metadata.get_file(record.tenant, record.id, path.sandbox_path)
+            return ContainerFile(await self._reconciled(record, entry, row))
 
     async def put(self, record: ContainerRecord, path: SandboxPath, source: BinaryIO,
                   source_kind: str = "user", checkpoint: bool = True) -> ContainerFile:
         """Write one file into the container; with ``checkpoint``, durable beyond this
         host before it returns (a caller writing several checkpoints once, after
         the last)."""
-        files = self._containers.files_of(record)
-        reader = _HashingReader(source)
-        size = await asyncio.to_thread(files.write, path, reader)
-        previous = await self._metadata.get_file(record.tenant, record.id, path.sandbox_path)
-        row = FileRecord(tenant=record.tenant, container_id=record.id, path=path.sandbox_path,
-                         created_at=previous.created_at if previous else time.time(), size=size,
-                         source=source_kind, etag=reader.digest.hexdigest())
-        await self._metadata.put_file(row)
-        if checkpoint:
-            await self._containers.checkpoint(record)  # in the object store before the answer
-        await self._containers.touch(record)
+        async with self._containers.using(record):
+            files = await self._containers.files_of(record)
+            reader = _HashingReader(source)
+            size = await asyncio.to_thread(files.write, path, reader)
+            previous = await self._metadata.get_file(record.tenant, record.id, path.sandbox_path)
+            row = FileRecord(tenant=record.tenant, container_id=record.id, path=path.sandbox_path,
+                             created_at=previous.created_at if previous else time.time(),
+                             size=size, source=source_kind, etag=reader.digest.hexdigest())
+            await self._metadata.put_file(row)
+            if checkpoint:
+                await self._containers.checkpoint(record)  # in the object store before the answer
+            await self._containers.touch(record)
         return ContainerFile(row)
 
     async def checkpoint(self, record: ContainerRecord) -> None:
@@ -178,16 +188,20 @@ class ContainerFiles:
         await self._containers.checkpoint(record)
 
     async def open(self, record: ContainerRecord, file_id: str) -> tuple[ContainerFile, BinaryIO, int]:
-        item = await self.get(record, file_id)
-        handle, size = await asyncio.to_thread(
-            self._containers.files_of(record).open_for_reading, parse_path(item.path))
+        async with self._containers.using(record):
+            item = await self.get(record, file_id)
+            files = await self._containers.files_of(record)
+            # The open handle reads on after a deletion: the bytes as they were.
+            handle, size = await asyncio.to_thread(files.open_for_reading, parse_path(item.path))
         return item, handle, size
 
     async def delete(self, record: ContainerRecord, file_id: str) -> ContainerFile:
-        item = await self.get(record, file_id)
-        await asyncio.to_thread(self._containers.files_of(record).delete, parse_path(item.path))
-        await self._metadata.delete_files(record.tenant, record.id, [item.path])
-        await self._containers.checkpoint(record)
+        async with self._containers.using(record):
+            item = await self.get(record, file_id)
+            files = await self._containers.files_of(record)
+            await asyncio.to_thread(files.delete, parse_path(item.path))
+            await self._metadata.delete_files(record.tenant, record.id, [item.path])
+            await self._containers.checkpoint(record)
         return item
 
     async def attach_upload(self, record: ContainerRecord, upload: UploadRecord,
@@ -201,29 +215,30 @@ class ContainerFiles:
         """Put the container's files where a run reads them (``./external-files``):
         hard links in a read-only directory, at most 50, each within the file cap.
         Anything left out is logged; returns how many were laid out."""
-        items = await self.list(record)
-        files = self._containers.files_of(record)
+        async with self._containers.using(record):
+            items = await self.list(record)
+            files = await self._containers.files_of(record)
 
-        def lay_out() -> int:
-            files.clear(EXTERNAL)
-            laid = 0
-            for item in items:
-                source = parse_path(item.path)
-                key = item.key.split("/")
-                if laid >= EXTERNAL_FILES_PER_RUN or len(key) > _EXTERNAL_DEPTH:
-                    log.warning("container %s: %s not laid out in external-files (at most %d "
-                                "files per run, %d levels deep)", record.id, item.key,
-                                EXTERNAL_FILES_PER_RUN, _EXTERNAL_DEPTH)
-                    continue
-                try:
-                    files.link(source, SandboxPath(EXTERNAL, tuple(key)))
-                    laid += 1
-                except FileAccessError as exc:
-                    log.warning("container %s: %s not laid out in external-files: %s",
-                                record.id, item.key, exc)
-            return laid
+            def lay_out() -> int:
+                files.clear(EXTERNAL)
+                laid = 0
+                for item in items:
+                    source = parse_path(item.path)
+                    key = item.key.split("/")
+                    if laid >= EXTERNAL_FILES_PER_RUN or len(key) > _EXTERNAL_DEPTH:
+                        log.warning("container %s: %s not laid out in external-files (at most "
+                                    "%d files per run, %d levels deep)", record.id, item.key,
+                                    EXTERNAL_FILES_PER_RUN, _EXTERNAL_DEPTH)
+                        continue
+                    try:
+                        files.link(source, SandboxPath(EXTERNAL, tuple(key)))
+                        laid += 1
+                    except FileAccessError as exc:
+                        log.warning("container %s: %s not laid out in external-files: %s",
+                                    record.id, item.key, exc)
+                return laid
 
-        return await asyncio.to_thread(lay_out)
+            return await asyncio.to_thread(lay_out)
 
     async def keep_produced(self, record: ContainerRecord, produced: list[ProducedFile],
                             limit: int) -> list[ContainerFile]:
@@ -232,28 +247,29 @@ class ContainerFiles:
         ``limit``, each within the file cap. What is dropped is logged."""
         kept: list[ContainerFile] = []
         copied = False
-        files = self._containers.files_of(record)
-        for item in produced:
-            path = parse_path(item.path)
-            if len(kept) >= limit:
-                log.warning("container %s: produced file %s dropped (at most %d per run)",
-                            record.id, item.path, limit)
-                continue
-            try:
-                if path.mount == WORKSPACE and len(path.parts) == 1:
-                    handle, _ = await asyncio.to_thread(files.open_for_reading, path)
-                    with handle:
-                        kept.append(await self.put(record, SandboxPath(OUTPUTS, path.parts),
-                                                   handle, source_kind="assistant",
-                                                   checkpoint=False))
-                    copied = True
-                elif path.mount == OUTPUTS:
-                    kept.append(await self.get(record, encode_file_id(path.sandbox_path)))
-            except FileAccessError as exc:
-                log.warning("container %s: produced file %s dropped: %s", record.id,
-                            item.path, exc)
-        if copied:  # one snapshot for the run's files, not one each
-            await self._containers.checkpoint(record)
+        async with self._containers.using(record):
+            files = await self._containers.files_of(record)
+            for item in produced:
+                path = parse_path(item.path)
+                if len(kept) >= limit:
+                    log.warning("container %s: produced file %s dropped (at most %d per run)",
+                                record.id, item.path, limit)
+                    continue
+                try:
+                    if path.mount == WORKSPACE and len(path.parts) == 1:
+                        handle, _ = await asyncio.to_thread(files.open_for_reading, path)
+                        with handle:
+                            kept.append(await self.put(record, SandboxPath(OUTPUTS, path.parts),
+                                                       handle, source_kind="assistant",
+                                                       checkpoint=False))
+                        copied = True
+                    elif path.mount == OUTPUTS:
+                        kept.append(await self.get(record, encode_file_id(path.sandbox_path)))
+                except FileAccessError as exc:
+                    log.warning("container %s: produced file %s dropped: %s", record.id,
+                                item.path, exc)
+            if copied:  # one snapshot for the run's files, not one each
+                await self._containers.checkpoint(record)
         return kept
 
     async def produced(self, record: ContainerRecord, produced: list[ProducedFile]) -> list[ContainerFile]:
@@ -267,13 +283,15 @@ class ContainerFiles:
         return found
 
     async def delete_prefix(self, record: ContainerRecord, prefix: str) -> int:
-        doomed = [item for item in await self.list(record) if item.key.startswith(prefix)]
-        files = self._containers.files_of(record)
-        for item in doomed:
-            await asyncio.to_thread(files.delete, parse_path(item.path))
-        await self._metadata.delete_files(record.tenant, record.id, [item.path for item in doomed])
-        if doomed:
-            await self._containers.checkpoint(record)
+        async with self._containers.using(record):
+            doomed = [item for item in await self.list(record) if item.key.startswith(prefix)]
+            files = await self._containers.files_of(record)
+            for item in doomed:
+                await asyncio.to_thread(files.delete, parse_path(item.path))
+            await self._metadata.delete_files(record.tenant, record.id,
+                                              [item.path for item in doomed])
+            if doomed:
+                await self._containers.checkpoint(record)
         return len(doomed)
 
 

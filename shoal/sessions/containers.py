@@ -8,6 +8,14 @@ runs out expires: its sandbox stops and its files are deleted. Deletion is the
 same, on request. Both leave the metadata row: reads of the id answer 404, and
 only a write that names it again (Zylon's "used, it exists") makes a new, empty
 container under the same id.
+
+Retirement and the work done on a container's files never overlap. Each such
+piece of work (a Files API read or write, a sandbox starting on the files)
+runs inside :meth:`ContainerManager.using`, which refuses a container that is
+gone or going; retirement waits for those under way, then stops its sandbox.
+Only then are the files deleted, so nothing written after that point can
+bring them back: a volume is made only inside ``using``, for a container
+that exists.
 """
 
 from __future__ import annotations
@@ -23,10 +31,12 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from shoal.config import Settings
 from shoal.sandbox import Sandbox, SandboxPool
-from shoal.storage import ContainerRecord, FileStore, MetadataStore, StoreUnavailable
+from shoal.storage import (ContainerRecord, FileStore, MetadataStore, StoreUnavailable,
+                           VolumeMissing)
 
 log = logging.getLogger("shoal.containers")
 
@@ -100,6 +110,11 @@ class ContainerManager:
         self._held: set[tuple[str, str]] = set()  # placed on this host (cluster mode)
         self._stale_cursor = 0  # where the next round of _drop_stale_copies starts
         self._server_started = time.time()
+        # Work on containers' files under way (see using()), and the containers
+        # being retired, which no new work may start on.
+        self._users: dict[tuple[str, str], int] = {}
+        self._idle: dict[tuple[str, str], asyncio.Event] = {}
+        self._retiring: set[tuple[str, str]] = set()
 
     # -- records --------------------------------------------------------------------
     def _check_minutes(self, minutes: int | None) -> int:
@@ -168,6 +183,8 @@ class ContainerManager:
         return record
 
     async def get(self, tenant: str, container_id: str) -> ContainerRecord:
+        if (tenant, container_id) in self._retiring:
+            raise UnknownContainer(f"no container {container_id!r}")  # being deleted
         record = self._records.get((tenant, container_id))
         if record is None or record.status != "active" or record.expires_at <= time.time():
             # Not known here, or gone by what is known here: the store says (another
@@ -274,28 +291,92 @@ class ContainerManager:
 
     async def _retire_locked(self, record: ContainerRecord, status: str) -> None:
         key = (record.tenant, record.id)
-        live = self._live.pop(key, None)
-        if live is not None:
-            await live.sandbox.close()
-        self._records.pop(key, None)
-        self._touch_written.pop(key, None)
-        # This container, by its creation time: never one made anew under its id.
-        stored = await self.metadata.get_container(record.tenant, record.id)
-        if stored is None or stored.created_at != record.created_at or stored.status != "active":
-            return
-        # Files first, the status last: a crash in between leaves an active
-        # container without files, which the reaper retires again.
-        await asyncio.to_thread(self.files.destroy, record.tenant, record.id)
-        await self.metadata.delete_container_files(record.tenant, record.id)
-        await self.metadata.retire_container(record, status)
-        if key in self._held:  # a container made anew under the id may go anywhere
-            self._held.discard(key)
-            await self.metadata.drop_placement(record.tenant, record.id)
+        self._retiring.add(key)
+        try:
+            # Work that started first finishes first (a write is then deleted
+            # with the container); none starts from here on.
+            while self._users.get(key):
+                await self._idle.setdefault(key, asyncio.Event()).wait()
+            live = self._live.pop(key, None)
+            if live is not None:
+                await live.sandbox.close()
+            self._records.pop(key, None)
+            self._touch_written.pop(key, None)
+            # This container, by its creation time: never one made anew under its id.
+            stored = await self.metadata.get_container(record.tenant, record.id)
+            if (stored is None or stored.created_at != record.created_at
+                    or stored.status != "active"):
+                return
+            # Files first, the status last: a crash in between leaves an active
+            # container without files, which the reaper retires again.
+            await asyncio.to_thread(self.files.destroy, record.tenant, record.id)
+            await self.metadata.delete_container_files(record.tenant, record.id)
+            await self.metadata.retire_container(record, status)
+            if key in self._held:  # a container made anew under the id may go anywhere
+                self._held.discard(key)
+                await self.metadata.drop_placement(record.tenant, record.id)
+        finally:
+            self._retiring.discard(key)
+
+    @contextlib.asynccontextmanager
+    async def using(self, record: ContainerRecord):
+        """Work on the container's files: UnknownContainer if it was retired (or is
+        being retired) since ``record`` was read; its retirement waits until the
+        work is done. Work that waits for the container's id lock, or for its
+        retirement, must not run inside (the retirement would wait for it)."""
+        key = (record.tenant, record.id)
+        if not await self._exists(record):
+            raise UnknownContainer(f"no container {record.id!r}")
+        # No await between the check and the count: a retirement that starts
+        # after the check waits for this work.
+        self._users[key] = self._users.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._users[key] - 1
+            if left:
+                self._users[key] = left
+            else:
+                del self._users[key]
+                idle = self._idle.pop(key, None)
+                if idle is not None:
+                    idle.set()
+
+    async def _exists(self, record: ContainerRecord) -> bool:
+        """Whether ``record``'s container (this generation of its id) is not retired.
+        Expiry alone does not count: a container in use is retired only once its
+        users are done, and they finish their work on it."""
+        key = (record.tenant, record.id)
+        if key in self._retiring:
+            return False
+        known = self._records.get(key)
+        if known is None or known.created_at != record.created_at:
+            known = await self.metadata.get_container(record.tenant, record.id)
+            if key in self._retiring:
+                return False
+        return (known is not None and known.status == "active"
+                and known.created_at == record.created_at)
+
+    async def _volume(self, record: ContainerRecord, open_it: Callable):
+        """``open_it`` (a store call that may raise VolumeMissing) run in a thread,
+        the container's volume made first if it has none: a container is made
+        without one (an unused container costs no disk), and so are containers
+        on a host that takes over one never snapshotted (cluster mode). Called
+        inside using(), so the container exists and stays while this runs."""
+        try:
+            return await asyncio.to_thread(open_it)
+        except VolumeMissing:
+            await asyncio.to_thread(self.files.create, record.tenant, record.id)
+            return await asyncio.to_thread(open_it)
 
     # -- sandboxes --------------------------------------------------------------------
     async def acquire(self, record: ContainerRecord) -> tuple[Sandbox, bool]:
         """The container's live sandbox, started if needed; and whether earlier
         interpreter state was lost (a fresh sandbox on a container used before)."""
+        async with self.using(record):  # never a sandbox on a retired container's files
+            return await self._acquire(record)
+
+    async def _acquire(self, record: ContainerRecord) -> tuple[Sandbox, bool]:
         key = (record.tenant, record.id)
         while key in self._starting:
             await asyncio.shield(self._starting[key])
@@ -314,7 +395,8 @@ class ContainerManager:
                 await asyncio.to_thread(self.files.drop_local, record.tenant, record.id)
             # Up to date first: a container another host worked on since is
             # restored from its snapshot (cluster mode).
-            home, elsewhere = await asyncio.to_thread(self.files.attach, record.tenant, record.id)
+            home, elsewhere = await self._volume(
+                record, lambda: self.files.attach(record.tenant, record.id))
             tier = MEMORY_TIERS_MIB.get(record.memory_limit or "")
             sandbox = await self.pool.launch_for(home, record.id[:16],
                                                  tier * 1024 * 1024 if tier else None)
@@ -341,11 +423,12 @@ class ContainerManager:
             live.users = max(0, live.users - 1)
             live.last_used = time.monotonic()
 
-    def files_of(self, record: ContainerRecord):
-        """Path-safe access to the container's files, as its live sandbox's uid."""
+    async def files_of(self, record: ContainerRecord):
+        """Path-safe access to the container's files, as its live sandbox's uid; to
+        be called, and used, inside using()."""
         live = self._live.get((record.tenant, record.id))
         uid = live.sandbox.uid if live is not None and not live.sandbox.closed else 0
-        return self.files.files(record.tenant, record.id, uid)
+        return await self._volume(record, lambda: self.files.files(record.tenant, record.id, uid))
 
     # -- skills ---------------------------------------------------------------------------
     def check_skills(self, names: list[str]) -> list[Path]:
@@ -366,8 +449,9 @@ class ContainerManager:
         inside): copied onto its volume when the choice changes, so a live sandbox
         sees the change at once."""
         folders = self.check_skills(names)
-        home = await asyncio.to_thread(self.files.home, record.tenant, record.id)
-        await asyncio.to_thread(_lay_out_skills, home.skills, folders)
+        async with self.using(record):
+            home = await self._volume(record, lambda: self.files.home(record.tenant, record.id))
+            await asyncio.to_thread(_lay_out_skills, home.skills, folders)
 
     # -- reaping ------------------------------------------------------------------------
     async def reap(self) -> None:

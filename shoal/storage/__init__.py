@@ -7,7 +7,7 @@ chosen here, in one place, so other backends slot in without touching callers.
 
 from pathlib import Path
 
-from .filestore import FileStore, LocalFileStore, StoreUnavailable
+from .filestore import FileStore, LocalFileStore, StoreUnavailable, VolumeMissing
 from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
                        UploadRecord)
 from .sqlite import SqliteMetadataStore, data_dir_holder, schema_problem
@@ -17,6 +17,7 @@ METADATA_FILE = "shoal.sqlite3"
 __all__ = [
     "ContainerRecord", "FileRecord", "FileStore", "LocalFileStore", "MetadataStore",
     "ResponseRecord", "RunRecord", "SqliteMetadataStore", "StoreUnavailable", "UploadRecord",
+    "VolumeMissing",
     "data_dir_holder",
     "files_problem", "metadata_problem",
     "open_metadata", "open_files",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import os
+import threading
 from pathlib import Path
 from typing import BinaryIO
 
@@ -28,23 +29,38 @@ class StoreUnavailable(RuntimeError):
     down, refusing, or answered with something else than it was sent)."""
 
 
+class VolumeMissing(LookupError):
+    """The container has no files here: never made, or destroyed with it. Only the
+    sessions layer, which knows whether the container still exists, may make them
+    (:meth:`FileStore.create`)."""
+
+
 class FileStore(abc.ABC):
     # Whether containers' files are kept beyond this host (checkpoint() does something).
     snapshots = False
 
     # -- containers ---------------------------------------------------------------
     @abc.abstractmethod
+    def create(self, tenant: str, container_id: str) -> SandboxHome:
+        """Make the container's files, empty (its files as they are, if it has some
+        already). Never on the store's own initiative: a container deleted while a
+        request about it was under way would get its files back."""
+
+    @abc.abstractmethod
     def home(self, tenant: str, container_id: str) -> SandboxHome:
-        """The container's files, ready to be attached to a sandbox."""
+        """The container's files, ready to be attached to a sandbox; VolumeMissing
+        if it has none."""
 
     @abc.abstractmethod
     def files(self, tenant: str, container_id: str, uid: int) -> SandboxFiles:
-        """Path-safe access to the container's files; new files belong to ``uid``."""
+        """Path-safe access to the container's files (VolumeMissing if it has none);
+        new files belong to ``uid``."""
 
     def attach(self, tenant: str, container_id: str) -> tuple[SandboxHome, bool]:
-        """The container's files, up to date, for a sandbox about to start on them;
-        and whether a sandbox elsewhere worked on them since this host last did
-        (its interpreter's state is then gone: the next call says so)."""
+        """The container's files, up to date, for a sandbox about to start on them
+        (VolumeMissing if it has none); and whether a sandbox elsewhere worked on
+        them since this host last did (its interpreter's state is then gone: the
+        next call says so)."""
         return self.home(tenant, container_id), False
 
     @abc.abstractmethod
@@ -116,6 +132,7 @@ class LocalFileStore(FileStore):
         self._uploads = data_dir / "uploads"
         self._quota_bytes = quota_bytes
         self._max_file_bytes = max_file_bytes
+        self._creating = threading.Lock()
         for directory in (self._images, self._uploads):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         for directory in (run_dir, self._mounts.parent, self._mounts):
@@ -128,16 +145,26 @@ class LocalFileStore(FileStore):
         # found and reused, never mounted a second time.
         return Volume(self._images / tenant_key / f"{name}.img", self._mounts / tenant_key / name)
 
+    def create(self, tenant: str, container_id: str) -> SandboxHome:
+        volume = self.volume(tenant, container_id)
+        # Two requests making one container's volume at once would both write its
+        # image, and the second would replace the one the first mounted.
+        with self._creating:
+            if volume.exists:
+                return self.home(tenant, container_id)
+            volume.mount_point.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
+            volume.create(self._quota_bytes, journal=True)
+        home = SandboxHome(volume.mount_point)
+        home.create(uid=0)  # the next sandbox adopts it
+        return home
+
     def home(self, tenant: str, container_id: str) -> SandboxHome:
         volume = self.volume(tenant, container_id)
+        if not volume.exists:
+            raise VolumeMissing(f"container {container_id!r} has no volume")
         volume.mount_point.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
-        home = SandboxHome(volume.mount_point)
-        if volume.exists:
-            volume.mount()
-        else:
-            volume.create(self._quota_bytes, journal=True)
-            home.create(uid=0)  # the next sandbox adopts it
-        return home
+        volume.mount()
+        return SandboxHome(volume.mount_point)
 
     def files(self, tenant: str, container_id: str, uid: int) -> SandboxFiles:
         return SandboxFiles(self.home(tenant, container_id), uid, self._max_file_bytes)

@@ -221,13 +221,15 @@ class ObjectStoreFiles(FileStore):
                 self._local.destroy(tenant, container_id)
                 self._marker(tenant, container_id).unlink(missing_ok=True)
             self._known.pop(key, None)
+            # VolumeMissing where none is left: whether the container still
+            # exists (and so gets an empty volume) is the sessions layer's to say.
             return self._local.home(tenant, container_id), False
         if volume.exists and local == manifest.version:
             self._known[key] = manifest
             return self._local.home(tenant, container_id), False
         self._local.destroy(tenant, container_id)
         self._marker(tenant, container_id).unlink(missing_ok=True)
-        home = self._local.home(tenant, container_id)  # a fresh, empty volume
+        home = self._local.create(tenant, container_id)  # a fresh one, for the snapshot
         try:
             with _store_errors("restore the container's files"):
                 self._snapshots.restore(tenant, container_id, home.root, manifest)
@@ -246,6 +248,10 @@ class ObjectStoreFiles(FileStore):
             home, restored = self._up_to_date(tenant, container_id)
             self._attached.add(key)
             return home, restored
+
+    def create(self, tenant: str, container_id: str) -> SandboxHome:
+        with self._lock((tenant, container_id)):
+            return self._local.create(tenant, container_id)
 
     def home(self, tenant: str, container_id: str) -> SandboxHome:
         key = (tenant, container_id)

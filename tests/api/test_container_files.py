@@ -670,6 +670,45 @@ def test_files_of_a_deleted_container_are_gone(http, scope):
         assert bash(f"ls -A {UPLOADS}")["stdout"] == "new.csv\n"
 
 
+
+def _images_of(server: Server, container_id: str) -> list[Path]:
+    # shoal.storage.filestore: <data>/containers/<tenant key>/<sha256(id)[:24]>.img
+    name = hashlib.sha256(container_id.encode()).hexdigest()[:24] + ".img"
+    return sorted((server.data_dir / "containers").rglob(name))
+
+
+def test_an_upload_racing_its_containers_deletion_fails_and_leaves_no_volume(files_server, http):
+    made = http.post("/v1/containers", json={"name": "raced"})
+    assert made.status_code == 200, made.text
+    container = made.json()["id"]
+    boundary = uuid.uuid4().hex
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            f"filename=\"late.bin\"\r\nContent-Type: application/octet-stream\r\n\r\n").encode()
+    deleted = {}
+
+    def body():
+        # The server looks the container up as the request starts, then reads the
+        # body: the container is deleted while the body is still on its way.
+        yield head + b"x" * 65536
+        time.sleep(1)
+        with make_client(files_server) as other:
+            deleted["response"] = other.delete(f"/v1/containers/{container}")
+        for _ in range(4):
+            yield b"x" * 65536
+            time.sleep(0.2)
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    response = http.post(f"/v1/containers/{container}/files", content=body(),
+                         headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+    assert deleted["response"].status_code == 200, deleted["response"].text
+    assert_error(response, 404)
+    assert response.json()["error"]["code"] == "not_found", response.text
+    assert_error(http.get(f"/v1/containers/{container}"), 404)
+    assert_error(http.get(f"/v1/containers/{container}/files"), 404)
+    # Nothing made the deleted container's volume anew: no image of it is left.
+    assert _images_of(files_server, container) == []
+
+
 # -- tenancy ------------------------------------------------------------------------------------
 def test_tenants_never_see_each_others_containers(tenants_server):
     scope = new_scope()

@@ -46,6 +46,7 @@ async def _expired_with_a_file(manager, content: bytes) -> float:
     await manager.metadata.put_container(ContainerRecord(
         tenant="alpha", id="thread-1", name=None, created_at=hour_ago,
         last_active_at=hour_ago, expires_after_minutes=1))
+    manager.files.create("alpha", "thread-1")
     manager.files.files("alpha", "thread-1", 0).write(OLD_FILE, io.BytesIO(content))
     return hour_ago
 
@@ -56,8 +57,9 @@ async def test_a_client_id_freed_by_expiry_starts_empty(manager):
 
     fresh = await manager.get_or_create("alpha", "thread-1")
     assert fresh.created_at > hour_ago and fresh.expires_at > time.time()
-    with pytest.raises(FileMissing):
-        manager.files.files("alpha", "thread-1", 0).stat(OLD_FILE)
+    async with manager.using(fresh):
+        with pytest.raises(FileMissing):
+            (await manager.files_of(fresh)).stat(OLD_FILE)
     assert (await manager.metadata.get_container("alpha", "thread-1")).status == "active"
 
 
@@ -66,7 +68,8 @@ async def test_racing_requests_for_an_expired_id_make_one_new_container(manager)
     made = await asyncio.gather(*(manager.get_or_create("alpha", "thread-1") for _ in range(8)))
     assert len({record.created_at for record in made}) == 1, made
     new_file = SandboxPath(OUTPUTS, ("new.txt",))
-    manager.files.files("alpha", "thread-1", 0).write(new_file, io.BytesIO(b"new"))
+    async with manager.using(made[0]):
+        (await manager.files_of(made[0])).write(new_file, io.BytesIO(b"new"))
     # Later requests find the new container and keep its files.
     again = await asyncio.gather(*(manager.get_or_create("alpha", "thread-1") for _ in range(4)))
     assert {record.created_at for record in again} == {made[0].created_at}
