@@ -224,7 +224,8 @@ def install(app: FastAPI) -> None:
     handler(InvalidContainer, 422)()
     handler(InvalidTools, 422)()
     handler(CallbackNotAllowed, 403)()
-    handler(SandboxClosed, 404, "the session was released while the call ran")()
+    handler(SandboxClosed, 404, "the session ended while the call ran: it was released, or "
+                                "its container was deleted")()
     handler(CallTooLarge, 413, "the call's input is too large to run")()
     def exhausted(exception: type, status: int, message: str | None = None):
         """A resource ran out: the client is told to come back (Retry-After), and the

@@ -293,8 +293,10 @@ async def register_programmatic_tools(session_id: str, request: Request,
             responses={200: {"model": FileList, "description": "The directory's entries"}})
 async def list_files(session_id: str, request: Request, path: str = Query("."),
                      tenant: str = Depends(tenant_of)) -> Response:
-    session = _manager(request).get(tenant, session_id)
-    entries = await run_in_threadpool(session.list_files, path or ".")
+    manager = _manager(request)
+    session = manager.get(tenant, session_id)
+    async with manager.using_files(session):
+        entries = await run_in_threadpool(session.list_files, path or ".")
     return _json({"files": [{"path": e.path.relative, "size_bytes": e.size,
                              "mime_type": e.mime_type, "modified_at": e.modified_at}
                             for e in entries]})
@@ -306,8 +308,10 @@ async def list_files(session_id: str, request: Request, path: str = Query("."),
                              "description": "The file's bytes, typed by its name"}})
 async def get_file(session_id: str, request: Request, path: str = Query(..., min_length=1),
                    tenant: str = Depends(tenant_of)) -> Response:
-    session = _manager(request).get(tenant, session_id)
-    sandbox_path, handle_, size = await run_in_threadpool(session.open_file, path)
+    manager = _manager(request)
+    session = manager.get(tenant, session_id)
+    async with manager.using_files(session):
+        sandbox_path, handle_, size = await run_in_threadpool(session.open_file, path)
     name = sandbox_path.parts[-1]
     return await file_response(handle_, size, name, guess_mime_type(name))
 
@@ -322,7 +326,9 @@ async def put_file(session_id: str, request: Request, tenant: str = Depends(tena
     upload, fields = await read_upload(request, manager.settings.max_file_bytes)
     try:
         path = fields.get("path") or upload_file_name(upload.filename)
-        sandbox_path, size = await run_in_threadpool(session.write_file, path, upload.file)
+        # The body took a while: the session may have ended meanwhile.
+        async with manager.using_files(session):
+            sandbox_path, size = await run_in_threadpool(session.write_file, path, upload.file)
     finally:
         await upload.close()
     return _json({"path": sandbox_path.relative, "size_bytes": size}, 201)

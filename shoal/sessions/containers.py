@@ -12,10 +12,11 @@ container under the same id.
 Retirement and the work done on a container's files never overlap. Each such
 piece of work (a Files API read or write, a sandbox starting on the files)
 runs inside :meth:`ContainerManager.using`, which refuses a container that is
-gone or going; retirement waits for those under way, then stops its sandbox.
-Only then are the files deleted, so nothing written after that point can
-bring them back: a volume is made only inside ``using``, for a container
-that exists.
+gone or going; retirement waits for those under way, then ends the container's
+sessions (``on_retire``) and stops its sandbox, cutting off a call running in
+it: a deletion does not wait minutes for code. Only then are the files
+deleted, so nothing written after that point can bring them back: a volume
+is made only inside ``using``, for a container that exists.
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ class ContainerManager:
         self._users: dict[tuple[str, str], int] = {}
         self._idle: dict[tuple[str, str], asyncio.Event] = {}
         self._retiring: set[tuple[str, str]] = set()
+        # Called with (tenant, container id) as a container is retired, before its
+        # sandbox stops: the session manager ends the sessions attached to it.
+        self.on_retire: Callable[[str, str], None] = lambda tenant, container_id: None
 
     # -- records --------------------------------------------------------------------
     def _check_minutes(self, minutes: int | None) -> int:
@@ -297,6 +301,9 @@ class ContainerManager:
             # with the container); none starts from here on.
             while self._users.get(key):
                 await self._idle.setdefault(key, asyncio.Event()).wait()
+            # Its sessions end before its sandbox stops, so a call cut off by the
+            # stop finds its session gone, and every later request answers 404.
+            self.on_retire(record.tenant, record.id)
             live = self._live.pop(key, None)
             if live is not None:
                 await live.sandbox.close()

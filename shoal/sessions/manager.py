@@ -8,6 +8,7 @@ for an id that never existed, so ids leak nothing across tenants.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -24,7 +25,7 @@ from shoal.storage import open_files, open_metadata
 from . import network
 
 from .container_files import ContainerFiles
-from .containers import ContainerManager, TenantQuotaExceeded
+from .containers import ContainerManager, TenantQuotaExceeded, UnknownContainer
 from .uploads import Uploads
 from .session import Session
 
@@ -47,6 +48,7 @@ class SessionManager:
         self.files = open_files(settings.data_dir, settings.run_dir, settings.disk_limit_mib * MiB,
                                 settings.max_file_bytes, settings.object_store_config())
         self.containers = ContainerManager(settings, self.pool, self.metadata, self.files)
+        self.containers.on_retire = self._end_sessions_of
         self.container_files = ContainerFiles(self.containers, self.metadata)
         self.uploads = Uploads(self.metadata, self.files, settings.tenant_max_upload_bytes,
                                settings.tenant_max_upload_files)
@@ -225,6 +227,31 @@ class SessionManager:
         if session is None or session.tenant != tenant:
             raise UnknownSession(f"no session {session_id!r}")
         return session
+
+    @contextlib.asynccontextmanager
+    async def using_files(self, session: Session):
+        """Work on the session's files: UnknownSession if it ended since it was
+        looked up (a slow upload's body may take a while). A container's deletion
+        waits for this work, then ends the session."""
+        async with contextlib.AsyncExitStack() as stack:
+            if session.container is not None:
+                try:
+                    await stack.enter_async_context(self.containers.using(session.container))
+                except UnknownContainer:
+                    raise UnknownSession(f"no session {session.id!r}") from None
+            if self._sessions.get(session.id) is not session:
+                raise UnknownSession(f"no session {session.id!r}")
+            yield
+
+    def _end_sessions_of(self, tenant: str, container_id: str) -> None:
+        """A container is being retired: its sessions end now, as if released (404
+        from here on, their slots free); its sandbox is stopped next."""
+        for session in [s for s in self._sessions.values() if s.tenant == tenant
+                        and s.container is not None and s.container.id == container_id]:
+            log.info("ending session %s: its container %s is retired", session.id, container_id)
+            del self._sessions[session.id]
+            self._unhold(session.tenant)
+            self.containers.release(session.container)
 
     async def destroy(self, tenant: str, session_id: str) -> bool:
         """Release a session; ``False`` if there was none (already the desired state)."""

@@ -217,3 +217,50 @@ def test_a_zygote_server_serves_sessions_and_containers(server_factory):
             "tool": "bash_code_execution", "input": {"command": "cat kept.txt"}})
         assert read.json()["result_block"]["content"]["stdout"] == "kept\n"
         client.delete(f"/sessions/{again}")
+
+
+def test_deleting_a_container_ends_its_sessions_and_frees_their_slots(server_factory):
+    # Two slots per tenant: a session left alive by its container's deletion would
+    # hold one until its idle timeout, so after two deletions no session could start.
+    server = server_factory(pool_size=1, tenant_max_sessions=2)
+    uid_base = int(server.process.args[server.process.args.index("--uid-base") + 1])
+    with server.client() as client:
+        for _ in range(2):
+            container = client.post("/v1/containers", json={"name": "doomed"}).json()["id"]
+            sid = _create(client, container=container)["session_id"]
+            running = {}
+
+            def slow_call(sid=sid):
+                with server.client() as other:
+                    running["response"] = other.post(f"/sessions/{sid}/exec", json={
+                        "tool": "bash_code_execution", "input": {"command": "sleep 97"}})
+
+            thread = threading.Thread(target=slow_call)
+            thread.start()
+            deadline = time.monotonic() + 60
+            while not _sleeping_in(uid_base, "97"):
+                assert time.monotonic() < deadline, "the call never started"
+                time.sleep(0.05)
+            deleted = client.delete(f"/v1/containers/{container}")
+            assert deleted.status_code == 200, deleted.text
+            # The call running at that moment is cut off, and says why.
+            thread.join(30)
+            assert not thread.is_alive(), "the running call outlived its container"
+            cut = running["response"]
+            assert cut.status_code == 404, cut.text
+            assert "container was deleted" in cut.json()["detail"], cut.text
+            assert not _sleeping_in(uid_base, "97")
+            # The session is gone like any released one, on every route.
+            for answer in (
+                    client.get(f"/sessions/{sid}"),
+                    client.post(f"/sessions/{sid}/exec", json={
+                        "tool": "bash_code_execution", "input": {"command": "echo hi"}}),
+                    client.get(f"/sessions/{sid}/files/list"),
+                    client.get(f"/sessions/{sid}/files", params={"path": "a.txt"}),
+                    client.post(f"/sessions/{sid}/files", files={"file": ("a.txt", b"a")})):
+                assert answer.status_code == 404, (answer.request.url, answer.text)
+                assert answer.json()["detail"] == f"no session {sid!r}", answer.text
+        # Both slots are free at once, not at the sessions' idle timeout.
+        fresh = [_create(client)["session_id"] for _ in range(2)]
+        for sid in fresh:
+            client.delete(f"/sessions/{sid}")
