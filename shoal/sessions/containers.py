@@ -301,6 +301,8 @@ class ContainerManager:
             # with the container); none starts from here on.
             while self._users.get(key):
                 await self._idle.setdefault(key, asyncio.Event()).wait()
+            if status == "expired" and self._in_use_since(record):
+                return
             # Its sessions end before its sandbox stops, so a call cut off by the
             # stop finds its session gone, and every later request answers 404.
             self.on_retire(record.tenant, record.id)
@@ -324,6 +326,16 @@ class ContainerManager:
                 await self.metadata.drop_placement(record.tenant, record.id)
         finally:
             self._retiring.discard(key)
+
+    def _in_use_since(self, record: ContainerRecord) -> bool:
+        """Whether a container found expired was used while its retirement waited
+        for the work under way (a write touches it, a session holds its sandbox):
+        in use is not expired."""
+        key = (record.tenant, record.id)
+        if self._records.get(key, record).expires_at > time.time():
+            return True
+        live = self._live.get(key)
+        return live is not None and live.users > 0
 
     @contextlib.asynccontextmanager
     async def using(self, record: ContainerRecord):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import io
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ from shoal.config import MiB, Settings
 from shoal.sandbox.files import SandboxPath
 from shoal.sandbox.mounts import UPLOADS
 from shoal.sessions import ContainerFiles, ContainerManager, UnknownContainer
-from shoal.storage import LocalFileStore, SqliteMetadataStore, VolumeMissing
+from shoal.storage import (ContainerRecord, LocalFileStore, SqliteMetadataStore,
+                           VolumeMissing)
 
 IDS = ("box-1", "box-2", "box-3")
 
@@ -109,3 +111,26 @@ async def test_a_deletion_waits_for_a_write_under_way_then_deletes_it(manager):
     assert await manager.metadata.list_files("alpha", "box-3") == []
     assert (await manager.metadata.get_container("alpha", "box-3")).status == "deleted"
 
+
+async def test_an_expired_container_written_to_while_the_reaper_waited_is_kept(manager):
+    # Expired an hour ago, not reaped yet; a write that began before the reaper came
+    # round (its upload's record read in time) is activity, as a session's call is.
+    hour_ago = time.time() - 3600
+    record = ContainerRecord(tenant="alpha", id="box-1", name=None, created_at=hour_ago,
+                             last_active_at=hour_ago, expires_after_minutes=1)
+    await manager.metadata.put_container(record)
+    container_files = ContainerFiles(manager, manager.metadata)
+    source = _HeldSource(b"kept")
+    writing = asyncio.create_task(
+        container_files.put(record, SandboxPath(UPLOADS, ("kept.txt",)), source))
+    assert await asyncio.to_thread(source.reading.wait, 30)
+    reaping = asyncio.create_task(manager.reap())
+    await asyncio.sleep(0.3)
+    assert not reaping.done(), "the reaper did not wait for the write under way"
+    source.release.set()
+    await writing
+    await reaping
+    assert (await manager.metadata.get_container("alpha", "box-1")).status == "active"
+    assert _image(manager, "box-1").exists()
+    assert [row.path for row in await manager.metadata.list_files("alpha", "box-1")] == [
+        f"{UPLOADS}/kept.txt"]
