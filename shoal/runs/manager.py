@@ -26,7 +26,8 @@ from shoal.sandbox import (CallTooLarge, DiskFull, ExecResult, FileAccessError, 
                            Sandbox, SandboxPath, StubSpec, UidsExhausted, parse_path)
 from shoal.sandbox.launcher import LaunchFailed
 from shoal.sandbox.mounts import OUTPUTS, WORKSPACE
-from shoal.sessions import AtCapacity, ContainerFile, SandboxClosed, SessionManager
+from shoal.sessions import (AtCapacity, ContainerFile, SandboxClosed, SessionManager,
+                            UnknownContainer)
 from shoal.storage import ContainerRecord, RunRecord
 
 from shoal.egress.tokens import ModelAccess, model_env
@@ -447,4 +448,7 @@ def _client_error(exc: Exception) -> str | None:
         return "the code and its tools are too large to run"
     if isinstance(exc, SandboxClosed):
         return "the run's sandbox was shut down while it ran"
+    if isinstance(exc, UnknownContainer):
+        # Deleted (or expired) after the run looked it up: not a server bug.
+        return "the run's container was deleted while the run used it"
     return None
