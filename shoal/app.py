@@ -91,8 +91,11 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     app.include_router(runtime.router)
     app.include_router(threads.router)
     # Outermost last: Edge sees every answer, the budget's refusals included.
-    app.add_middleware(BodyLimits, cap=settings.request_cap,
-                       budget=Budget(settings.request_buffer_mib * MiB))
+    buffer = settings.request_buffer_mib * MiB
+    # With one tenant there is no one else's room to keep: its bodies may fill it all.
+    share = max(settings.request_cap, buffer // 2) if tokens.tenants > 1 else buffer
+    app.add_middleware(BodyLimits, cap=settings.request_cap, budget=Budget(buffer, share),
+                       idle_seconds=settings.request_body_idle_seconds)
     app.add_middleware(observability.Edge)
     reservations = _reservations(app, settings, manager)
     if reservations is not None:

@@ -110,7 +110,10 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(50 * MiB, ge=1, description="Largest file accepted or served.")
     request_buffer_mib: int = Field(1024, ge=1, description="Memory all request bodies in "
                                     "progress may hold together; past it a request is "
-                                    "answered 503 with Retry-After.")
+                                    "answered 503 with Retry-After. With several tenants, "
+                                    "one credential's bodies may hold half of it.")
+    request_body_idle_seconds: float = Field(30.0, gt=0, description="A request body that "
+                                             "stops arriving for this long is answered 408.")
 
     # -- runs and inner tool calls -------------------------------------------------
     run_retention_seconds: int = Field(86400, ge=60, description="How long a finished run's "

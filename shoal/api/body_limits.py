@@ -9,7 +9,13 @@ hold before a route sees a byte:
   accepts, base64-encoded in JSON, and a margin): a 413;
 - the bodies of all requests in progress together hold at most
   ``request_buffer_mib``: a request whose next chunk would pass it is a 503
-  with ``Retry-After``, and what it held is given back at once.
+  with ``Retry-After``, and what it held is given back at once. Where tokens
+  name several tenants, one credential's bodies hold at most half of it (or
+  one body at the cap, if more), so one tenant's stalled uploads cannot take
+  every other tenant's room;
+- a body that stops arriving for ``request_body_idle_seconds`` is a 408, and
+  what it held is given back: a client cannot hold its share by sending a
+  byte now and then, only by sending the body.
 
 Both are raised from ``receive`` as ``HTTPException``s, so the route reading the
 body answers in its own dialect (FastAPI's own ``max_body_size`` answers a
@@ -21,6 +27,7 @@ long as a route may hold them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from starlette.exceptions import HTTPException
@@ -39,59 +46,94 @@ class BodiesBusy(HTTPException):
                               "retry in a moment")
 
 
+class BodyStalled(HTTPException):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"the request body stopped arriving for {seconds:g}s")
+
+
 class Budget:
-    """The bytes every request in progress has received; one per server."""
+    """The bytes every request in progress has received, in all and by client;
+    one per server. ``share`` is what one client's bodies may hold together."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, share: int | None = None) -> None:
         self.total = total
+        self.share = min(share or total, total)
         self.used = 0
+        self._held: dict[bytes, int] = {}
 
-    def take(self, count: int) -> bool:
-        if self.used + count > self.total:
+    def take(self, client: bytes, count: int) -> bool:
+        mine = self._held.get(client, 0)
+        if self.used + count > self.total or mine + count > self.share:
             return False
         self.used += count
+        self._held[client] = mine + count
         return True
 
-    def give(self, count: int) -> None:
+    def give(self, client: bytes, count: int) -> None:
+        if not count:
+            return
         self.used -= count
+        left = self._held[client] - count
+        if left:
+            self._held[client] = left
+        else:
+            del self._held[client]
 
 
 class BodyLimits:
     """ASGI middleware holding every request's body to ``cap`` and to ``budget``."""
 
-    def __init__(self, app, cap: int, budget: Budget) -> None:
+    def __init__(self, app, cap: int, budget: Budget, idle_seconds: float = 30.0) -> None:
         self.app = app
         self.cap = cap
         self.budget = budget
+        self.idle_seconds = idle_seconds
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _declared_length(scope)
+        declared, client = _declared_length(scope), _credential(scope)
         held = 0
+        whole = False
 
         async def counted() -> dict:
-            nonlocal held
+            nonlocal held, whole
             if declared is not None and declared > self.cap:
                 raise BodyTooLarge(self.cap)
-            message = await receive()
+            if whole:  # the body is in: what comes next is the client leaving
+                return await receive()
+            try:
+                async with asyncio.timeout(self.idle_seconds):
+                    message = await receive()
+            except TimeoutError:
+                raise BodyStalled(self.idle_seconds) from None
             if message["type"] == "http.request":
                 size = len(message.get("body", b""))
                 if held + size > self.cap:
                     raise BodyTooLarge(self.cap)
-                if not self.budget.take(size):
+                if not self.budget.take(client, size):
                     log.warning("refused a request: the bodies in progress hold %d of %d "
                                 "bytes", self.budget.used, self.budget.total,
                                 extra={"resource": "request_buffer", "status": 503})
                     raise BodiesBusy()
                 held += size
+                whole = not message.get("more_body", False)
             return message
 
         try:
             await self.app(scope, counted, send)
         finally:
-            self.budget.give(held)
+            self.budget.give(client, held)
+
+
+def _credential(scope) -> bytes:
+    """Who is sending, as far as the budget's shares go: the credential a route
+    will check (a body is read only after it passed), or nothing."""
+    for name, value in scope["headers"]:
+        if name in (b"authorization", b"x-api-key"):
+            return value
+    return b""
 
 
 def _declared_length(scope) -> int | None:

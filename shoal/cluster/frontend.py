@@ -289,7 +289,8 @@ def create_front_end(settings: Settings) -> Starlette:
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     # The bodies it keeps to resend: bounded each and all together, as on a host.
     middleware = [Middleware(BodyLimits, cap=settings.request_cap,
-                             budget=Budget(settings.request_buffer_mib * MiB))]
+                             budget=Budget(settings.request_buffer_mib * MiB),
+                             idle_seconds=settings.request_body_idle_seconds)]
     app = Starlette(lifespan=lifespan, middleware=middleware, routes=[
         Route("/health", health), Route("/readyz", readyz), Route("/livez", livez),
         Route("/{path:path}", front.handle, methods=methods)])

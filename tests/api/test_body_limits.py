@@ -104,3 +104,61 @@ def test_bodies_in_progress_are_bounded_together(server_factory):
     finally:
         for sock in held:
             sock.close()
+
+
+def _held_post(server, size: int, token: str | None = None) -> socket.socket:
+    """A POST /sessions whose body is sent but for its last byte: the server holds it."""
+    sock = _connect(server)
+    auth = b"Authorization: Bearer %s\r\n" % token.encode() if token else b""
+    sock.sendall(b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + auth + b"Content-Length: %d\r\n\r\n{" % (size + 1) + b" " * (size - 1))
+    return sock
+
+
+def test_one_tenants_held_bodies_leave_the_others_room(server_factory):
+    # One tenant's stalled uploads held the whole budget, and every other
+    # tenant's requests with a body were 503s for as long as it liked.
+    server = server_factory(max_file_bytes=MiB, request_buffer_mib=4, pool_size=1,
+                            tokens="tok-a=a,tok-b=b")
+    size = 3 * MiB // 2
+    held = [_held_post(server, size, "tok-a")]
+    try:
+        time.sleep(1)
+        second = _held_post(server, size, "tok-a")  # past tenant a's half of the budget
+        held.append(second)
+        status, _, body = _response(second)
+        assert status == 503 and "request bodies" in json.loads(body)["detail"], body
+        other = _held_post(server, size, "tok-b")
+        held.append(other)
+        other.sendall(b"}")
+        status, _, body = _response(other)
+        assert status == 201, body
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_body_that_stops_arriving_is_answered_and_gives_its_room_back(server_factory):
+    server = server_factory(request_body_idle_seconds=1, pool_size=1)
+    sock = _held_post(server, 1000)
+    try:
+        started = time.monotonic()
+        status, _, body = _response(sock)
+        assert status == 408, body
+        assert "stopped arriving for 1s" in json.loads(body)["detail"]
+        assert time.monotonic() - started < 10
+    finally:
+        sock.close()
+    # A body that keeps coming, slowly, is not cut off.
+    sock = _connect(server)
+    try:
+        sock.sendall(b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 4\r\n\r\n{")
+        for piece in (b" ", b" ", b"}"):
+            time.sleep(0.6)
+            sock.sendall(piece)
+        status, _, body = _response(sock)
+        assert status == 201, body
+        httpx.delete(f"{server.url}/sessions/{json.loads(body)['session_id']}")
+    finally:
+        sock.close()
