@@ -12,13 +12,10 @@ import json
 
 from fastapi import Request
 
+from shoal.runs.manager import MAX_FILE_IDS
+
 from .errors import BadRequest
 
-# Files one request may attach: Caronte's spec materialises at most 50 external
-# files per run, and each attached file is a copy into the container (a 1 MiB
-# upload named 3,000 times took 13 s). More go in one at a time, by
-# POST /v1/containers/{id}/files.
-MAX_FILE_IDS = 50
 # A container's name: OpenAI documents no cap, but every listing carries each
 # name, so one must exist (a 1 MB name rode along on every GET /v1/containers).
 MAX_CONTAINER_NAME_CHARS = 256

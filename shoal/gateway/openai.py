@@ -28,7 +28,7 @@ from typing import AsyncIterator
 
 from shoal.runs import Grant, Run, RunRequest, ToolSpec, normalise_tool
 from shoal.runs.broker import InvalidTools
-from shoal.runs.manager import DEFAULT_TIMEOUT_MS, MAX_TIMEOUT_MS
+from shoal.runs.manager import DEFAULT_TIMEOUT_MS, MAX_FILE_IDS, MAX_TIMEOUT_MS
 from shoal.sessions import ContainerFile
 from shoal.sessions.network import InvalidNetworkPolicy, check_network_policy
 from shoal.storage import ContainerRecord
@@ -122,6 +122,9 @@ def parse_request(body: dict) -> ResponsesRequest | None:
                                              and all(isinstance(f, str) for f in file_ids)):
                 raise InvalidResponsesRequest("code_interpreter.container.file_ids must be a "
                                               "list of file ids", "tools")
+            if file_ids:
+                interpreter = {**interpreter, "container": {
+                    **container, "file_ids": _distinct(file_ids, "code_interpreter.container")}}
         elif not isinstance(container, str) or not container:
             raise InvalidResponsesRequest("code_interpreter.container must be a container id "
                                           "or {\"type\": \"auto\"}", "tools")
@@ -134,6 +137,8 @@ def parse_request(body: dict) -> ResponsesRequest | None:
             if value is not None and not (isinstance(value, list)
                                           and all(isinstance(v, str) for v in value)):
                 raise InvalidResponsesRequest(f"{CARONTE}.{key} must be a list of strings", "tools")
+        if caronte.get("file_ids"):
+            caronte = {**caronte, "file_ids": _distinct(caronte["file_ids"], CARONTE)}
     function_tools = [t for t in tools if isinstance(t, dict) and t.get("type") == "function"]
     for tool in function_tools:
         if tool.get("name") in UPSTREAM_TOOLS:
@@ -159,6 +164,16 @@ def parse_request(body: dict) -> ResponsesRequest | None:
                             function_tools=function_tools, items=items,
                             previous_response_id=previous, store=body.get("store") is not False,
                             code_tools=code_tools)
+
+
+def _distinct(file_ids: list[str], where: str) -> list[str]:
+    """Each id once, in order; a 400 past what one request may attach (each is a
+    copy into the container, and one id named 3,000 times was 3,000 copies)."""
+    distinct = list(dict.fromkeys(file_ids))
+    if len(distinct) > MAX_FILE_IDS:
+        raise InvalidResponsesRequest(f"{where}.file_ids names {len(distinct)} files; at most "
+                                      f"{MAX_FILE_IDS} may be attached by one request", "tools")
+    return distinct
 
 
 def _code_tools(function_tools: list[dict], allowed: list[str]) -> list[ToolSpec]:

@@ -408,6 +408,25 @@ def test_auto_container_with_file_ids(upstream, openai_client):
         b"water boils at 100")
 
 
+def test_file_ids_are_attached_once_each_and_at_most_fifty(upstream, openai_client):
+    # Each id is a copy into the container: one id named 3,000 times was 3,000.
+    file = openai_client.files.create(file=("once.txt", b"once", "text/plain"), purpose="user_data")
+    upstream.script(openai_turn(function_call("code_interpreter", {"code": "print(1)"})),
+                    openai_turn(message("ok")))
+    response = openai_client.responses.create(model=MODEL, input="Go.", tools=[
+        {"type": "code_interpreter", "container": {"type": "auto", "file_ids": [file.id] * 3000}}])
+    container = only(response, "code_interpreter_call").container_id
+    assert [f.path for f in openai_client.containers.files.list(container)
+            if f.path.endswith("once.txt")] == ["/mnt/user-data/uploads/once.txt"]
+    many = [f"file-{n:040d}" for n in range(51)]
+    for tool in ({"type": "code_interpreter", "container": {"type": "auto", "file_ids": many}},
+                 {"type": "caronte:code_execution", "file_ids": many}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            openai_client.responses.create(model=MODEL, input="Go.", tools=[tool])
+        assert refused.value.param == "tools" and "at most 50" in refused.value.body["message"]
+    assert len(upstream.requests) == 2
+
+
 # --------------------------------------------------------------------------- memory tiers
 
 ALLOCATE = "data = b'x' * ({mib} * 1024 * 1024)\nprint('allocated', len(data) // (1024 * 1024))"
