@@ -40,6 +40,11 @@ CODE_INTERPRETER, CARONTE = "code_interpreter", "caronte:code_execution"
 CI_FUNCTION, CARONTE_FUNCTION = "code_interpreter", "code_execution"
 INCLUDE_OUTPUTS = "code_interpreter_call.outputs"
 _IMAGE_BYTES = 4 * 1024 * 1024
+# Images inlined in one response's outputs, in all: every one is base64 in the
+# response (held whole, and stored with it). Past these a chart is still cited
+# and downloadable, only not inlined.
+_IMAGES_PER_RESPONSE = 8
+_IMAGE_BYTES_PER_RESPONSE = 16 * 1024 * 1024
 _LAYOUT = ("Files uploaded by the user are in /mnt/user-data/uploads/ (read-only); save files you "
            "create to /mnt/data/ so the user can download them. There is no internet access. "
            "Python 3 has pandas, numpy, scipy, scikit-learn, matplotlib, seaborn, openpyxl, "
@@ -276,6 +281,7 @@ class OpenAIAdapter:
         self._sequence = 0
         self._started = False
         self._uncited: list[ContainerFile] = []
+        self._inlined = self._inlined_bytes = 0
         self._cited_containers: dict[str, str] = {}
         self._outputs: list[dict] = []  # function_call_output items not yet sent upstream
         self._ci_items: dict[str, dict] = {}
@@ -420,8 +426,13 @@ class OpenAIAdapter:
             images = []
             if self.request.include_outputs and run is not None and run.container is not None:
                 for item in run.files:
-                    if item.mime_type == "image/png" and item.record.size <= _IMAGE_BYTES:
+                    size = item.record.size
+                    if (item.mime_type == "image/png" and size <= _IMAGE_BYTES
+                            and self._inlined < _IMAGES_PER_RESPONSE
+                            and self._inlined_bytes + size <= _IMAGE_BYTES_PER_RESPONSE):
                         images.append(await self._read_file(run.container.id, item))
+                        self._inlined += 1
+                        self._inlined_bytes += size
             events += self._interpreter_done(use, run, failure, images)
             output = _interpreter_feedback(run, failure)
         else:

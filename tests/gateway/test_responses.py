@@ -312,6 +312,23 @@ def test_include_outputs_logs_and_image(upstream, openai_client):
     assert saved.content in pngs
 
 
+def test_inline_images_are_bounded_per_response(upstream, openai_client):
+    # 25 PNGs of 4 MB each came back inline: a 140 MB response, stored again whole.
+    code = ("import os\n"
+            "for n in range(12):\n"
+            "    open(f'/mnt/data/big{n}.png', 'wb').write(b'\\x89PNG\\r\\n\\x1a\\n' + os.urandom(3 * 1024 * 1024))\n"
+            "print('saved')")
+    upstream.script(*run_ci(code, "Saved."))
+    response = openai_client.responses.create(model=MODEL, input="Save them.", tools=[CI_AUTO],
+                                              include=OUTPUTS)
+    call = only(response, "code_interpreter_call")
+    images = [o for o in call.outputs if o.type == "image"]
+    inlined = sum(len(image.url) for image in images)
+    assert 0 < len(images) <= 8 and inlined <= 16 * 1024 * 1024 * 4 // 3 + 1024, (len(images), inlined)
+    files = [f for f in openai_client.containers.files.list(call.container_id) if "/big" in f.path]
+    assert len(files) == 12  # the rest are there, only not inline
+
+
 def test_include_off_means_no_outputs(upstream, openai_client):
     upstream.script(*run_ci(CHART_CODE, "Plotted."))
 
