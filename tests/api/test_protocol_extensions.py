@@ -90,6 +90,23 @@ def test_exec_streams_output_then_the_v1_envelope(http, session, schema_errors):
     assert all(e.id for e in events)
 
 
+def test_a_streamed_exec_cut_off_says_so_as_the_json_answer_would(http, session):
+    # The error event carried the exception's own text, an internal sandbox name
+    # in it ("sandbox 31301.f82284-48 was closed during the call").
+    body = {"tool": "code_execution", "input": {"code": "import time\nprint('a', flush=True)\n"
+                                                        "time.sleep(30)"}}
+    events = []
+    with connect_sse(http, "POST", f"/sessions/{session}/exec", json=body) as source:
+        for sse in source.iter_sse():
+            events.append(sse)
+            if sse.event == "output":
+                assert http.delete(f"/sessions/{session}").status_code == 204
+    assert [e.event for e in events] == ["output", "error"], [e.event for e in events]
+    error = events[-1].json()
+    assert error["status"] == 404 and error["detail"].startswith("the session ended while the call "
+                                                                 "ran"), error
+
+
 def test_without_the_header_nothing_changes(http, session, schema_errors):
     response = exec_code(http, session, "print(1)")
     assert response.headers["content-type"].startswith("application/json")
