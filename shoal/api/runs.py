@@ -44,20 +44,28 @@ def parse_run(body: dict) -> RunRequest:
     code = body.get("code")
     if not isinstance(code, str) or not code.strip():
         raise BadRequest(422, "code is required and must be a non-empty string", param="code")
-    raw_tools = body.get("tools") or []
+    # Absent or null is none; {} or 0 is a mistake to point out, not "none".
+    raw_tools = body.get("tools")
+    raw_tools = [] if raw_tools is None else raw_tools
     if not isinstance(raw_tools, list):
         raise BadRequest(422, "tools must be a list of function tools", param="tools")
     try:
         tools = [normalise_tool(tool) for tool in raw_tools]
     except InvalidTools as exc:
         raise BadRequest(422, str(exc), param="tools") from None
-    allowed = body.get("allowed_tools") or []
+    allowed = body.get("allowed_tools")
+    allowed = [] if allowed is None else allowed
     if not isinstance(allowed, list) or not all(isinstance(n, str) for n in allowed):
         raise BadRequest(422, "allowed_tools must be a list of tool names", param="allowed_tools")
+    undeclared = sorted(set(allowed) - {tool.name for tool in tools})
+    if undeclared:
+        raise BadRequest(422, "allowed_tools names tools that are not declared: "
+                              + ", ".join(map(repr, undeclared)), param="allowed_tools")
     container = body.get("container", body.get("container_id"))
     if container is not None and (not isinstance(container, str) or not container):
         raise BadRequest(422, "container must be a container id", param="container")
-    file_ids = body.get("file_ids") or []
+    file_ids = body.get("file_ids")
+    file_ids = [] if file_ids is None else file_ids
     if not isinstance(file_ids, list) or not all(isinstance(f, str) and f for f in file_ids):
         raise BadRequest(422, "file_ids must be a list of file ids", param="file_ids")
     file_ids = distinct_file_ids(file_ids)

@@ -139,14 +139,19 @@ def test_bad_requests_are_refused_in_the_openai_error_shape(http):
     for body, param in (({"language": "ruby", "code": "x"}, "language"),
                         ({"code": ""}, "code"),
                         ({"code": "1", "tools": [{"type": "function", "name": "bad name"}]}, "tools"),
-                        ({"code": "1", "tools": [QUERY_TOOL], "allowed_tools": ["missing"]}, None),
+                        ({"code": "1", "tools": [QUERY_TOOL], "allowed_tools": ["missing"]},
+                         "allowed_tools"),
+                        # Falsy but not absent: a mistake, which read as "none".
+                        ({"code": "1", "tools": {}}, "tools"),
+                        ({"code": "1", "tools": 0}, "tools"),
+                        ({"code": "1", "allowed_tools": {}}, "allowed_tools"),
+                        ({"code": "1", "file_ids": ""}, "file_ids"),
                         ({"code": "1", "timeout_ms": "soon"}, "timeout_ms")):
         response = http.post("/v1/code-execution/runs", json=body)
         assert response.status_code == 422, (body, response.text)
         error = response.json()["error"]
         assert error["message"] and error["type"] == "invalid_request_error"
-        if param:
-            assert error["param"] == param
+        assert error["param"] == param, (body, error)
     assert http.post("/v1/code-execution/runs", content=b"{nope").status_code == 422
     missing = http.post("/v1/code-execution/runs", json={"code": "1", "container": "cnt_nope"})
     assert missing.status_code == 404 and "cnt_nope" in missing.json()["error"]["message"]
