@@ -121,6 +121,17 @@ class Settings(BaseSettings):
     tool_wait_seconds: float = Field(300.0, gt=0, description="How long code waits for the "
                                      "result of one inner tool call before the call fails; "
                                      "this wait does not count against the run's timeout.")
+    run_log_bytes: int = Field(32 * MiB, ge=MiB, description="Bytes one run's event log "
+                               "may hold (its output events and its tool calls' arguments; "
+                               "its end always goes in). A tool call that would pass it fails "
+                               "in the code with a ToolError, unannounced; output past it is "
+                               "left out of the stream (the run's end still carries it).")
+    run_logs_kept: int = Field(256, ge=0, description="Finished runs whose event logs stay in "
+                               "memory for replay; an older run is replayed from its record "
+                               "(its start and its end, with their ids).")
+    run_logs_kept_bytes: int = Field(256 * MiB, ge=0, description="Bytes the event logs of "
+                                     "finished runs kept for replay may hold together; past "
+                                     "it the oldest go first, as past run_logs_kept.")
     stream_ping_seconds: float = Field(15.0, gt=0, description="A server-sent event stream "
                                        "that has had nothing to say this long sends a comment, "
                                        "so that proxies keep an idle connection open.")

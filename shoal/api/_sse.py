@@ -17,10 +17,8 @@ stays sse-starlette's.
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import AsyncIterator
 
-from sse_starlette import ServerSentEvent
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -33,15 +31,10 @@ PING = b": ping\r\n\r\n"
 _WATCH_AFTER_SECONDS = 1.0
 
 
-def encode(event: Event) -> bytes:
-    return ServerSentEvent(json.dumps(event.data, ensure_ascii=False), event=event.name,
-                           id=str(event.id)).encode()
-
-
 def encode_batch(batch: list[Event]) -> bytes:
     """A batch of a log's events as one chunk; an empty batch (the log was
     quiet) as an empty chunk, which the stream sends as a ping."""
-    return b"".join(encode(event) for event in batch)
+    return b"".join(event.wire for event in batch)
 
 
 class EventStream(Response):

@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from shoal.config import Settings
+from shoal.config import MiB, Settings
 from shoal.sandbox import (CallTooLarge, DiskFull, ExecResult, FileAccessError, Limit, PoolBusy,
                            Sandbox, SandboxPath, StubSpec, UidsExhausted, parse_path)
 from shoal.sandbox.launcher import LaunchFailed
@@ -46,8 +47,6 @@ GENERATED_FILES_PER_RUN = 50
 # upload named 3,000 times took 13 s). More go in one at a time, by
 # POST /v1/containers/{id}/files.
 MAX_FILE_IDS = 50
-# Finished runs whose event logs stay in memory for replay (the record outlives them).
-_LOGS_KEPT = 256
 
 
 class UnknownRun(LookupError):
@@ -110,6 +109,7 @@ class Run:
     # Set once the run's result is final: the record to read, and what waiters wait on.
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     finished_callbacks: list = field(default_factory=list)
+    kept_bytes: int = 0  # what it counts against the finished logs kept for replay
 
     @property
     def container_id(self) -> str | None:
@@ -123,8 +123,18 @@ class Run:
     def waiting(self) -> list[PendingCall]:
         return self.tools.waiting if self.tools is not None else []
 
-    def emit(self, name: str, data: dict) -> Event | None:
-        return self.log.append(name, {"runId": self.id, **data})
+    def emit(self, name: str, data: dict, bounded: bool = False) -> Event | None:
+        return self.log.append(name, {"runId": self.id, **data}, bounded=bounded)
+
+    def held_bytes(self) -> int:
+        """About what a finished run keeps in memory: its log, its code and its
+        output (the log's last event carries a copy of that)."""
+        size = self.log.size + sys.getsizeof(self.request.code)
+        if self.request.edit:
+            size += sum(sys.getsizeof(value) for value in self.request.edit.values())
+        if self.result is not None:
+            size += sys.getsizeof(self.result.stdout) + sys.getsizeof(self.result.stderr)
+        return size
 
     def record(self) -> dict:
         """The run in the spec's "Tool result shape"."""
@@ -168,6 +178,7 @@ class RunManager:
         self.sessions = sessions
         self._live: dict[str, Run] = {}
         self._finished_logs: dict[str, Run] = {}
+        self._finished_bytes = 0
         self._reaper: asyncio.Task | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -217,11 +228,11 @@ class RunManager:
         if uploads and container is None:
             container = await self.sessions.containers.create(tenant, implicit=True)
             implicit = True
-        run = Run(id="cexrun_" + self.settings.node_key + secrets.token_hex(12), tenant=tenant, request=request, grant=grant,
+        run = Run(id="cexrun_" + self.settings.node_key + secrets.token_hex(12), tenant=tenant,
+                  request=request, grant=grant, log=EventLog(self.settings.run_log_bytes),
                   container=container, implicit_container=implicit)
         run.tools = ClientTools(grant, self.settings.tool_wait_seconds,
-                                lambda calls: run.emit("tool_call.required",
-                                                       {"calls": [c.public() for c in calls]}))
+                                lambda calls: _announce(run, calls))
         for upload in uploads:
             _, handle, _ = await self.sessions.uploads.open(tenant, upload.id)
             await self.sessions.container_files.attach_upload(container, upload, handle,
@@ -351,7 +362,10 @@ class RunManager:
                 await sandbox.restart()
             stubs = StubSpec(run.grant.stubs()) if run.grant.tools else None
             timeout = self._timeout_seconds(run)
-            on_output = lambda stream, text: run.emit("run.output", {"stream": stream, "text": text})  # noqa: E731
+            # Past the log's budget an output event is left out: the run's end
+            # carries its output whole (to the output cap) all the same.
+            on_output = lambda stream, text: run.emit(  # noqa: E731
+                "run.output", {"stream": stream, "text": text}, bounded=True)
             if request.language == "bash":
                 run.result = await sandbox.run_bash(request.code, timeout, on_output)
             elif request.language == "edit":
@@ -432,15 +446,45 @@ class RunManager:
         # Readers find the run among the finished ones from now on; the stored
         # record (written after the answer went out) outlives the in-memory log.
         self._live.pop(run.id, None)
-        self._finished_logs[run.id] = run
-        while len(self._finished_logs) > _LOGS_KEPT:
-            self._finished_logs.pop(next(iter(self._finished_logs)))
+        self._keep_log(run)
         try:
             await self.sessions.metadata.put_run(RunRecord(
                 tenant=run.tenant, id=run.id, container_id=run.container_id, status=run.status,
                 created_at=run.created_at, body=record))
         except Exception:  # noqa: BLE001 - the in-memory record still answers for a while
             log.exception("could not store run %s", run.id)
+
+    def _keep_log(self, run: Run) -> None:
+        """Keep the finished run for replay, within the count and the bytes kept
+        (oldest out first): each log alone may hold run_log_bytes, and 256 such
+        would be gigabytes that nothing frees."""
+        settings = self.settings
+        kept = self._finished_logs
+        run.kept_bytes = run.held_bytes()
+        kept[run.id] = run
+        self._finished_bytes += run.kept_bytes
+        while kept and (len(kept) > settings.run_logs_kept
+                        or self._finished_bytes > settings.run_logs_kept_bytes):
+            self._finished_bytes -= kept.pop(next(iter(kept))).kept_bytes
+
+
+def _announce(run: Run, calls: list[PendingCall]) -> None:
+    """Ask the client for a batch of tool calls if the run's log has room for it.
+    Calls made together are announced together or not at all; past the budget
+    they fail in the code at once, and the client never hears of them."""
+    if run.emit("tool_call.required", {"calls": [c.public() for c in calls]},
+                bounded=True) is not None or run.log.closed:
+        return
+    budget = run.log.budget or 0
+    reason = (f"tool call not made: this run's event log is full (its tool calls' arguments "
+              f"and its output may add up to {budget / MiB:g} MiB); pass large data through "
+              "files instead")
+    log.info("run %s: %d tool call(s) refused: its event log is full", run.id, len(calls))
+    tools = run.tools
+    assert tools is not None
+    tools.calls -= len(calls)  # counted as made; like a call its schema refuses, none was
+    for call in calls:
+        tools.resolve(call.call_id, error=reason)
 
 
 def _client_error(exc: Exception) -> str | None:

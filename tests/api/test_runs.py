@@ -523,6 +523,88 @@ def test_a_finished_run_replays_from_its_record_after_a_restart(server_factory, 
     assert names(rest) == ["run.completed", "message"] and [e.id for e in rest] == ["2", "3"]
 
 
+# -- what a run's event log may hold ----------------------------------------------------------
+LOG_BUDGET = 16 * 1024 * 1024
+KEPT_BUDGET = 24 * 1024 * 1024
+ECHO_TOOL = {"type": "function", "name": "echo", "parameters": {"type": "object"}}
+# Thirty calls of 3 MiB each: some 90 MiB of arguments, where the log holds 16.
+BIG_CALLS_CODE = ("blob = 'y' * (3 * 1024 * 1024)\n"
+                  "made, refused = 0, []\n"
+                  "for i in range(30):\n"
+                  "    try:\n"
+                  "        echo(i=i, blob=blob)\n"
+                  "        made += 1\n"
+                  "    except ToolError as e:\n"
+                  "        refused.append(str(e))\n"
+                  "print(made, len(refused))\n"
+                  "print(refused[0] if refused else '')\n")
+
+
+@pytest.fixture(scope="module")
+def log_server(server_factory):
+    return server_factory(run_log_bytes=LOG_BUDGET, run_logs_kept_bytes=KEPT_BUDGET,
+                          max_sessions=16, pool_size=2)
+
+
+def rss(server) -> int:
+    """The server's resident memory, in bytes."""
+    with open(f"/proc/{server.process.pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_runs_event_log_holds_its_budget_and_a_call_past_it_fails_in_the_code(log_server):
+    """A run's tool calls may carry some 4 MiB of arguments each, a thousand
+    times: announcing every one kept them all in the log (and 256 finished logs
+    were kept for replay). Past the log's budget a call fails in the code, with
+    a ToolError that says why, and is never announced; the server does not hold
+    what the code tried to send, and the stream replays what it kept."""
+    with log_server.client() as http:
+        before = rss(log_server)
+        events = collect(http, answer=lambda call: "ok", tools=[ECHO_TOOL],
+                         allowed_tools=["echo"], code=BIG_CALLS_CODE)
+        grown = rss(log_server) - before
+        announced = [e for e in events if e.event == "tool_call.required"]
+        counts, reason = final(events)["stdout"].splitlines()
+        assert final(events)["inner_tool_calls"] == len(announced)
+        assert counts == f"{len(announced)} {30 - len(announced)}", counts
+        assert 3 <= len(announced) <= 5, [e.event for e in events]
+        assert "event log is full" in reason and "16 MiB" in reason, reason
+        # The log holds at most its budget; 90 MiB went through the server.
+        assert grown < 48 * 1024 * 1024, f"the server grew by {grown / 2**20:.0f} MiB"
+        run_id = events[0].json()["runId"]
+        with connect_sse(http, "GET", f"/v1/code-execution/runs/{run_id}/events") as source:
+            replayed = list(source.iter_sse())
+    assert [(e.id, e.event, e.data) for e in replayed] == [(e.id, e.event, e.data) for e in events]
+    assert announced[0].json()["calls"][0]["arguments"]["blob"] == "y" * 3 * 1024 * 1024
+
+
+def replay(http: httpx.Client, run_id: str, **headers) -> list:
+    with connect_sse(http, "GET", f"/v1/code-execution/runs/{run_id}/events",
+                     headers=headers) as source:
+        return list(source.iter_sse())
+
+
+def test_finished_logs_are_kept_for_replay_within_a_total_of_bytes(log_server):
+    """256 finished logs of up to run_log_bytes each were kept whatever their
+    size; past run_logs_kept_bytes the oldest goes, and is replayed from its
+    record: its start and its end."""
+    with log_server.client() as http:
+        big = collect(http, answer=lambda call: "ok", tools=[ECHO_TOOL], allowed_tools=["echo"],
+                      code=BIG_CALLS_CODE)
+        small = collect(http, code="print('small')")
+        assert names(replay(http, big[0].json()["runId"])) == names(big)
+        collect(http, answer=lambda call: "ok", tools=[ECHO_TOOL], allowed_tools=["echo"],
+                code=BIG_CALLS_CODE)
+        gone = replay(http, big[0].json()["runId"])
+        kept = replay(http, small[0].json()["runId"])
+    assert names(gone) == ["run.created", "run.completed", "message"]
+    assert final(gone)["stdout"] == final(big)["stdout"]
+    assert [(e.id, e.data) for e in kept] == [(e.id, e.data) for e in small]
+
+
 # -- containers ---------------------------------------------------------------------------------
 def _upload(http: httpx.Client, name: str, data: bytes) -> str:
     response = http.post("/v1/files", files={"file": (name, data)}, data={"purpose": "user_data"})
