@@ -17,7 +17,7 @@ stays sse-starlette's.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -25,16 +25,36 @@ from starlette.types import Receive, Scope, Send
 from shoal.runs.events import Event
 
 PING = b": ping\r\n\r\n"
+CHUNK_BYTES = 64 * 1024
 # A stream this young has no watcher for its client's leaving: most streams (a
 # short run's) end before it, on their own, and a task per stream cost them a
 # tenth of their time. Past it, a stream whose client left ends at once.
 _WATCH_AFTER_SECONDS = 1.0
 
 
-def encode_batch(batch: list[Event]) -> bytes:
-    """A batch of a log's events as one chunk; an empty batch (the log was
-    quiet) as an empty chunk, which the stream sends as a ping."""
-    return b"".join(event.wire for event in batch)
+def chunks(batch: list[Event]) -> Iterator[bytes]:
+    """A batch of a log's events in writes of at most CHUNK_BYTES (a larger event
+    in slices of it). A whole backlog in one write was a copy of it per reader,
+    held until the client took it all (never, for one that does not read); a
+    send waits while the connection's buffer is past its high-water mark
+    (uvicorn's flow control), so a reader now holds one chunk, and the events
+    themselves stay the log's, shared. A short run's batch is one write."""
+    pending: list[bytes] = []
+    size = 0
+    for event in batch:
+        wire = event.wire
+        if pending and size + len(wire) > CHUNK_BYTES:
+            yield b"".join(pending)
+            pending, size = [], 0
+        if len(wire) > CHUNK_BYTES:
+            view = memoryview(wire)
+            for start in range(0, len(wire), CHUNK_BYTES):
+                yield bytes(view[start:start + CHUNK_BYTES])
+            continue
+        pending.append(wire)
+        size += len(wire)
+    if pending:
+        yield b"".join(pending)
 
 
 class EventStream(Response):

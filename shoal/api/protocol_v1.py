@@ -28,7 +28,7 @@ from shoal.sandbox import StubSpec
 from shoal.sessions import ExecResult, Session, SessionManager, guess_mime_type
 
 from ._bodies import read_json_object
-from ._sse import EventStream, encode_batch
+from ._sse import EventStream, chunks
 from ._responses import file_response, json_response
 from ._uploads import read_upload, upload_file_name
 from .auth import tenant_of
@@ -245,12 +245,15 @@ def _streamed_exec(request: Request, session: Session, kind: str, tool: str, pay
 
     task = asyncio.create_task(run())
 
-    async def chunks():
+    async def written():
         async for batch in log.follow_batches(0, request.app.state.settings.stream_ping_seconds):
-            yield encode_batch(batch)
+            if not batch:
+                yield b""  # a quiet log: the stream pings
+            for chunk in chunks(batch):
+                yield chunk
         await task
 
-    return EventStream(chunks())
+    return EventStream(written())
 
 
 # -- programmatic tools (the reference backend's) ---------------------------------------------

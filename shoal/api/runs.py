@@ -23,7 +23,7 @@ from shoal.runs import (DEFAULT_TIMEOUT_MS, LANGUAGES, MAX_TIMEOUT_MS, EventLog,
 from shoal.sandbox.toolcalls import MAX_RESULT_BYTES
 
 from ._bodies import distinct_file_ids, read_json_object
-from ._sse import EventStream, encode_batch
+from ._sse import EventStream, chunks
 from ._responses import json_response
 from .auth import tenant_of
 from .errors import BadRequest
@@ -78,14 +78,21 @@ def parse_run(body: dict) -> RunRequest:
 
 
 async def _stream(log: EventLog, after: int, ping: float) -> AsyncIterator[bytes]:
-    """The log's events after ``after``, each batch as one chunk, then the live
-    ones until it ends; ``[DONE]`` rides with the last batch."""
+    """The log's events after ``after``, in bounded chunks (``chunks``), then the
+    live ones until it ends; ``[DONE]`` rides with the last chunk."""
     last_id = after
     async for batch in log.follow_batches(after, ping):
-        if batch:
-            last_id = batch[-1].id
-        chunk = encode_batch(batch)
-        if log.closed:
+        if not batch:
+            yield b""  # a quiet log: the stream pings
+            continue
+        last_id = batch[-1].id
+        ended = log.closed  # then this batch holds the run's end
+        pieces = chunks(batch)
+        chunk = next(pieces)
+        for following in pieces:
+            yield chunk
+            chunk = following
+        if ended:
             yield chunk + _done(last_id)
             return
         yield chunk

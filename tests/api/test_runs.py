@@ -9,6 +9,7 @@ client parses it, not as the server meant it.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -603,6 +604,35 @@ def test_finished_logs_are_kept_for_replay_within_a_total_of_bytes(log_server):
     assert names(gone) == ["run.created", "run.completed", "message"]
     assert final(gone)["stdout"] == final(big)["stdout"]
     assert [(e.id, e.data) for e in kept] == [(e.id, e.data) for e in small]
+
+
+def test_readers_that_never_read_do_not_each_hold_a_copy_of_the_log(log_server):
+    """A replay was one write of the whole backlog: a copy per reader, held by
+    the connection until the client read it, so six that never read held over
+    a gigabyte. Chunks are written as the connection drains, so such a reader
+    holds about one chunk."""
+    with log_server.client() as http:
+        run_id = collect(http, answer=lambda call: "ok", tools=[ECHO_TOOL],
+                         allowed_tools=["echo"], code=BIG_CALLS_CODE)[0].json()["runId"]
+        before = rss(log_server)
+        readers = []
+        try:
+            for _ in range(4):
+                reader = socket.socket()
+                reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                reader.connect(("127.0.0.1", int(log_server.url.rsplit(":", 1)[1])))
+                reader.sendall(f"GET /v1/code-execution/runs/{run_id}/events HTTP/1.1\r\n"
+                               "Host: shoal\r\n\r\n".encode())
+                readers.append(reader)
+            time.sleep(2)  # each is answered as far as its connection takes
+            grown = rss(log_server) - before
+            assert readers[0].recv(64).startswith(b"HTTP/1.1 200")
+        finally:
+            for reader in readers:
+                reader.close()
+        # The log is some 15 MiB: each reader held one copy of it, or more.
+        assert grown < 8 * 1024 * 1024, f"4 readers grew the server by {grown / 2**20:.0f} MiB"
+        assert names(replay(http, run_id))[-1] == "message"  # and the server serves on
 
 
 # -- containers ---------------------------------------------------------------------------------
