@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from sse_starlette import ServerSentEvent
 
 from shoal.runs import (DEFAULT_TIMEOUT_MS, LANGUAGES, MAX_TIMEOUT_MS, EventLog, InvalidTools,
-                        RunManager, RunRequest, UnknownRun, normalise_tool)
+                        RunManager, RunRequest, normalise_tool)
 
 from shoal.sandbox.toolcalls import MAX_RESULT_BYTES
 
@@ -132,32 +132,7 @@ async def run_events(run_id: str, request: Request, after: int | None = Query(No
     last = request.headers.get("last-event-id")
     if after is None:
         after = int(last) if last is not None and last.isdigit() else 0
-    runs = _runs(request)
-    try:
-        run = runs.live(tenant, run_id)
-    except UnknownRun:
-        record = await runs.record(tenant, run_id)  # 404 if it never existed
-        return _following(_from_record(record), after, request)
-    return _following(run.log, after, request)
-
-
-def _from_record(record: dict) -> EventLog:
-    """A finished run whose event log is no longer kept: its start and its end."""
-    run_id = record["run_id"]
-    final = {key: record.get(key) for key in ("stdout", "stderr", "duration_ms")}
-    log = EventLog()
-    log.append("run.created", {"runId": run_id})
-    if record["status"] == "completed":
-        log.append("run.completed", {"runId": run_id, **final, "exit_code": record["exit_code"],
-                                     "inner_tool_calls": record["inner_tool_calls"],
-                                     "files": record["files"],
-                                     "container_id": record.get("container_id")})
-    else:
-        log.append("run.failed", {"runId": run_id, **final, "status": record["status"],
-                                  "error": record.get("error") or record["status"],
-                                  "container_id": record.get("container_id")})
-    log.close()
-    return log
+    return _following(await _runs(request).events(tenant, run_id), after, request)
 
 
 @router.post("/{run_id}/tool-results", summary="Answer the run's waiting tool calls",

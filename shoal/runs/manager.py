@@ -47,6 +47,9 @@ GENERATED_FILES_PER_RUN = 50
 # upload named 3,000 times took 13 s). More go in one at a time, by
 # POST /v1/containers/{id}/files.
 MAX_FILE_IDS = 50
+# In a stored record's body, not in what GET shows: the id of the run's last
+# event, so that a replay from the record keeps the ids the stream had.
+_LAST_EVENT_ID = "_last_event_id"
 
 
 class UnknownRun(LookupError):
@@ -261,7 +264,18 @@ class RunManager:
             stored = await self.sessions.metadata.get_run(tenant, run_id)
             if stored is None:
                 raise
-            return stored.body
+            return {key: value for key, value in stored.body.items() if key != _LAST_EVENT_ID}
+
+    async def events(self, tenant: str, run_id: str) -> EventLog:
+        """The run's event log; once it is no longer kept, its start and its end
+        rebuilt from the stored record, with the ids they had."""
+        try:
+            return self.live(tenant, run_id).log
+        except UnknownRun:
+            stored = await self.sessions.metadata.get_run(tenant, run_id)
+            if stored is None:
+                raise
+            return _replayed(stored.body)
 
     # -- the client's answers --------------------------------------------------------------------
     async def submit(self, tenant: str, run_id: str, results: list[dict]) -> int:
@@ -450,7 +464,7 @@ class RunManager:
         try:
             await self.sessions.metadata.put_run(RunRecord(
                 tenant=run.tenant, id=run.id, container_id=run.container_id, status=run.status,
-                created_at=run.created_at, body=record))
+                created_at=run.created_at, body={**record, _LAST_EVENT_ID: run.log.last_id}))
         except Exception:  # noqa: BLE001 - the in-memory record still answers for a while
             log.exception("could not store run %s", run.id)
 
@@ -466,6 +480,32 @@ class RunManager:
         while kept and (len(kept) > settings.run_logs_kept
                         or self._finished_bytes > settings.run_logs_kept_bytes):
             self._finished_bytes -= kept.pop(next(iter(kept))).kept_bytes
+
+
+def _replayed(body: dict) -> EventLog:
+    """A finished run's log rebuilt from its record: ``run.created`` and its end,
+    each with the id it had (a record stored before ids were kept: 1 and 2), so
+    a client resuming from any id it was sent gets what followed it."""
+    run_id = body["run_id"]
+    last_id = body.get(_LAST_EVENT_ID)
+    if isinstance(last_id, bool) or not isinstance(last_id, int) or last_id < 2:
+        last_id = 2
+    final = {key: body.get(key) for key in ("stdout", "stderr", "duration_ms")}
+    log = EventLog()
+    log.append("run.created", {"runId": run_id})
+    if body["status"] == "completed":
+        log.append("run.completed", {"runId": run_id, **final, "exit_code": body["exit_code"],
+                                     "inner_tool_calls": body["inner_tool_calls"],
+                                     "files": body["files"],
+                                     "container_id": body.get("container_id")},
+                   event_id=last_id)
+    else:
+        log.append("run.failed", {"runId": run_id, **final, "status": body["status"],
+                                  "error": body.get("error") or body["status"],
+                                  "container_id": body.get("container_id")},
+                   event_id=last_id)
+    log.close()
+    return log
 
 
 def _announce(run: Run, calls: list[PendingCall]) -> None:

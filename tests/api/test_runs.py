@@ -505,7 +505,8 @@ def test_a_lost_stream_is_replayed_from_last_event_id(http):
 
 def test_a_finished_run_replays_from_its_record_after_a_restart(server_factory, tmp_path):
     """Once its in-memory log is gone (here, with the server that ran it), a
-    run's stream is its start and its end, read from the stored record."""
+    run's stream is its start and its end, read from the stored record, with
+    the ids they had."""
     data_dir = tmp_path / "data"
     first = server_factory(data_dir=data_dir, pool_size=1)
     with first.client() as http:
@@ -519,9 +520,40 @@ def test_a_finished_run_replays_from_its_record_after_a_restart(server_factory, 
         with connect_sse(http, "GET", url, headers={"Last-Event-ID": "1"}) as source:
             rest = list(source.iter_sse())
     assert names(events) == ["run.created", "run.completed", "message"]
-    assert [e.id for e in events] == ["1", "2", "3"] and events[-1].data == "[DONE]"
+    assert [e.id for e in events] == ["1", "3", "4"] and events[-1].data == "[DONE]"
     assert final(events)["stdout"] == "kept\n" and final(events)["exit_code"] == 0
-    assert names(rest) == ["run.completed", "message"] and [e.id for e in rest] == ["2", "3"]
+    assert names(rest) == ["run.completed", "message"] and [e.id for e in rest] == ["3", "4"]
+
+
+def test_ids_stay_the_same_once_a_finished_runs_log_is_no_longer_kept(server_factory):
+    """Replay from the record numbered its events anew (1, 2, [DONE] 3), so a
+    client that had read up to run.output (id 3) and resumed from it got
+    [DONE] alone, never the run's end; and any tenant's newer runs push a log
+    out. The end keeps its id: resuming before it gives it, at it gives
+    what is left."""
+    server = server_factory(run_logs_kept=1, pool_size=1)
+    with server.client() as http:
+        events = collect(http, answer=lambda call: "rows", tools=[QUERY_TOOL],
+                         allowed_tools=["advanced_query"],
+                         code="print(advanced_query(sql='x'))")
+        assert names(events) == ["run.created", "tool_call.required", "run.output",
+                                 "run.completed", "message"]
+        assert [e.id for e in events] == ["1", "2", "3", "4", "5"]
+        run_id = events[0].json()["runId"]
+        collect(http, code="print('another run')")  # the first one's log goes
+        whole = replay(http, run_id)
+        resumed = {last: replay(http, run_id, **{"Last-Event-ID": last})
+                   for last in ("2", "3", "4")}
+        record = http.get(f"/v1/code-execution/runs/{run_id}").json()
+    assert [(e.id, e.event) for e in whole] == [("1", "run.created"), ("4", "run.completed"),
+                                                ("5", "message")]
+    assert final(whole) == final(events)
+    for last in ("2", "3"):
+        assert [(e.id, e.event) for e in resumed[last]] == [("4", "run.completed"),
+                                                            ("5", "message")]
+        assert final(resumed[last])["stdout"] == "rows\n"
+    assert [(e.id, e.data) for e in resumed["4"]] == [("5", "[DONE]")]
+    assert "_last_event_id" not in record and record["stdout"] == "rows\n"
 
 
 # -- what a run's event log may hold ----------------------------------------------------------
