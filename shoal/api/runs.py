@@ -127,12 +127,36 @@ async def get_run(run_id: str, request: Request, tenant: str = Depends(tenant_of
             response_class=Response,
             responses={**RUNS_ERRORS, 200: {"content": RUN_EVENTS, "description": (
                 "The events after Last-Event-ID (or after=), then the live ones")}})
-async def run_events(run_id: str, request: Request, after: int | None = Query(None, ge=0),
+async def run_events(run_id: str, request: Request,
+                     after: str | None = Query(None, pattern="^[0-9]+$", description=(
+                         "An event id (as Last-Event-ID): the events after it")),
                      tenant: str = Depends(tenant_of)) -> Response:
-    last = request.headers.get("last-event-id")
-    if after is None:
-        after = int(last) if last is not None and last.isdigit() else 0
-    return _following(await _runs(request).events(tenant, run_id), after, request)
+    if after is not None:
+        position = _event_id(after, "after")
+    else:
+        position = _event_id(request.headers.get("last-event-id"), "Last-Event-ID")
+    log = await _runs(request).events(tenant, run_id)
+    # No event has an id past the log's end: such an id means the end, so the
+    # stream gives what comes next (a live run's) or [DONE] with its own id.
+    return _following(log, min(position, log.last_id), request)
+
+
+# Past the end of any log: digits beyond these are not read (int() refuses
+# more than 4300 of them, and reading that many is work for nothing).
+_PAST_ANY_END = 10**18
+
+
+def _event_id(value: str | None, param: str) -> int:
+    """An id a reconnecting client sends back: none (or empty) is the start,
+    any run of ASCII digits an id (one past the end is the end); anything else
+    is not an id this server sent."""
+    if not value:
+        return 0
+    if not (value.isascii() and value.isdigit()):
+        raise BadRequest(422, f"{param} must be the id of one of the run's events, a "
+                         "non-negative integer", param=param)
+    digits = value.lstrip("0") or "0"
+    return int(digits) if len(digits) < len(str(_PAST_ANY_END)) else _PAST_ANY_END
 
 
 @router.post("/{run_id}/tool-results", summary="Answer the run's waiting tool calls",

@@ -503,6 +503,48 @@ def test_a_lost_stream_is_replayed_from_last_event_id(http):
     assert [e.id for e in again[:2]] == [first.id, second.id]
 
 
+def test_an_event_id_past_the_end_means_the_end_and_a_malformed_one_is_refused(http):
+    """Last-Event-ID went through int() when it was digits: 4301 of them were a
+    500, other digits (superscripts) a 500 too, and anything else replayed the
+    whole run. after=10**30 on a live run kept the stream silent and then sent
+    [DONE] with id 10**30 + 1. No event has an id past the end, so such an id is
+    the end: a live run's stream goes on from there, a finished one's gives
+    [DONE]; what is not an id at all is a 422 in the OpenAI shape."""
+    with run_stream(http, code="import time\ntime.sleep(2)\nprint('late')") as source:
+        stream = source.iter_sse()
+        created = next(stream)
+        run_id = created.json()["runId"]
+        started = time.monotonic()
+        url = f"/v1/code-execution/runs/{run_id}/events"
+        with connect_sse(http, "GET", url, headers={"Last-Event-ID": "9" * 5000}) as one, \
+                connect_sse(http, "GET", url, params={"after": str(10**30)}) as other:
+            live, after = list(one.iter_sse()), list(other.iter_sse())
+        everything = [created, *stream]
+    for rest in (live, after):
+        assert names(rest)[-2:] == ["run.completed", "message"], names(rest)
+        assert final(rest)["stdout"] == "late\n"
+        assert [e.id for e in rest] == [e.id for e in everything[-len(rest):]]
+    assert time.monotonic() - started < 30
+    end = everything[-1].id
+    for last in ("9" * 5000, str(10**30), "0" * 30 + end):
+        done = replay(http, run_id, **{"Last-Event-ID": last})
+        assert [(e.id, e.data) for e in done] == [(end, "[DONE]")], last[:40]
+    for after in (str(10**30), "9" * 5000):
+        with connect_sse(http, "GET", f"/v1/code-execution/runs/{run_id}/events",
+                         params={"after": after}) as source:
+            assert [(e.id, e.data) for e in source.iter_sse()] == [(end, "[DONE]")]
+    for last in ("abc", "-1", "\u00b2", "1.5", "+3"):  # ² is a digit to str.isdigit
+        response = http.get(f"/v1/code-execution/runs/{run_id}/events",
+                            headers={"Last-Event-ID": last.encode("latin-1")})
+        assert response.status_code == 422, (last, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "Last-Event-ID"
+    for value in ("-1", "x", "1.5"):
+        response = http.get(f"/v1/code-execution/runs/{run_id}/events", params={"after": value})
+        assert response.status_code == 422, (value[:40], response.text)
+        assert response.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_a_finished_run_replays_from_its_record_after_a_restart(server_factory, tmp_path):
     """Once its in-memory log is gone (here, with the server that ran it), a
     run's stream is its start and its end, read from the stored record, with
@@ -529,8 +571,8 @@ def test_ids_stay_the_same_once_a_finished_runs_log_is_no_longer_kept(server_fac
     """Replay from the record numbered its events anew (1, 2, [DONE] 3), so a
     client that had read up to run.output (id 3) and resumed from it got
     [DONE] alone, never the run's end; and any tenant's newer runs push a log
-    out. The end keeps its id: resuming before it gives it, at it gives
-    what is left."""
+    out. The end keeps its id: resuming before it gives it, at it or past it
+    gives what is left."""
     server = server_factory(run_logs_kept=1, pool_size=1)
     with server.client() as http:
         events = collect(http, answer=lambda call: "rows", tools=[QUERY_TOOL],
@@ -543,7 +585,7 @@ def test_ids_stay_the_same_once_a_finished_runs_log_is_no_longer_kept(server_fac
         collect(http, code="print('another run')")  # the first one's log goes
         whole = replay(http, run_id)
         resumed = {last: replay(http, run_id, **{"Last-Event-ID": last})
-                   for last in ("2", "3", "4")}
+                   for last in ("2", "3", "4", "5", "9")}
         record = http.get(f"/v1/code-execution/runs/{run_id}").json()
     assert [(e.id, e.event) for e in whole] == [("1", "run.created"), ("4", "run.completed"),
                                                 ("5", "message")]
@@ -552,7 +594,8 @@ def test_ids_stay_the_same_once_a_finished_runs_log_is_no_longer_kept(server_fac
         assert [(e.id, e.event) for e in resumed[last]] == [("4", "run.completed"),
                                                             ("5", "message")]
         assert final(resumed[last])["stdout"] == "rows\n"
-    assert [(e.id, e.data) for e in resumed["4"]] == [("5", "[DONE]")]
+    for last in ("4", "5", "9"):
+        assert [(e.id, e.data) for e in resumed[last]] == [("5", "[DONE]")], last
     assert "_last_event_id" not in record and record["stdout"] == "rows\n"
 
 
