@@ -20,14 +20,13 @@ import secrets
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from shoal.config import MiB, Settings
 from shoal.sandbox import (CallTooLarge, DiskFull, ExecResult, FileAccessError, Limit, PoolBusy,
                            Sandbox, SandboxPath, StubSpec, UidsExhausted, parse_path)
 from shoal.sandbox.launcher import LaunchFailed
 from shoal.sandbox.mounts import OUTPUTS, WORKSPACE
-from shoal.sessions import (AtCapacity, ContainerFile, SandboxClosed, SessionManager,
+from shoal.sessions import (AtCapacity, ContainerFile, SandboxClosed, SessionManager, Slot,
                             UnknownContainer)
 from shoal.storage import ContainerRecord, RunRecord
 
@@ -214,15 +213,14 @@ class RunManager:
         """Check what the run needs, then start it in the background; the returned
         run's log already holds ``run.created``."""
         grant = Grant(request.tools, request.allowed_tools)
-        release_slot = self.sessions.claim_slot(tenant)
+        slot = self.sessions.claim_slot(tenant)
         try:
-            return await self._start(tenant, request, grant, release_slot)
+            return await self._start(tenant, request, grant, slot)
         except BaseException:
-            release_slot()
+            slot()
             raise
 
-    async def _start(self, tenant: str, request: RunRequest, grant: Grant,
-                     release_slot: Callable[[], None]) -> Run:
+    async def _start(self, tenant: str, request: RunRequest, grant: Grant, slot: Slot) -> Run:
         container = None
         implicit = False
         if request.container_id is not None:
@@ -244,7 +242,7 @@ class RunManager:
             await self.sessions.container_files.checkpoint(container)
         run.emit("run.created", {"status": "running", "container_id": run.container_id})
         self._live[run.id] = run
-        run.task = asyncio.create_task(self._execute(run, release_slot))
+        run.task = asyncio.create_task(self._execute(run, slot))
         # Let the run take its sandbox and send its code before the caller builds
         # and writes its response: the sandbox works while the server does.
         await asyncio.sleep(0)
@@ -312,7 +310,7 @@ class RunManager:
             run.task.cancel()  # still acquiring its sandbox
 
     # -- executing --------------------------------------------------------------------------------
-    async def _execute(self, run: Run, release_slot: Callable[[], None]) -> None:
+    async def _execute(self, run: Run, slot: Slot) -> None:
         leftover: list[Sandbox] = []
         try:
             try:
@@ -327,12 +325,12 @@ class RunManager:
                 run.status = "failed"
                 run.error = known or "the run could not be executed (internal error)"
             finally:
-                await self._finish(run)
+                await self._finish(run, slot)
             # The client has its answer; an ephemeral sandbox goes away after it.
             for sandbox in leftover:
                 await sandbox.close()
         finally:
-            release_slot()
+            slot()
 
     def _settle(self, run: Run) -> None:
         if run.cancel_requested:
@@ -434,7 +432,7 @@ class RunManager:
             await sessions.container_files.checkpoint(run.container)
         return kept
 
-    async def _finish(self, run: Run) -> None:
+    async def _finish(self, run: Run, slot: Slot) -> None:
         if run.finished.is_set():
             return
         run.duration_ms = int((time.perf_counter() - run.started) * 1000)
@@ -450,6 +448,9 @@ class RunManager:
         else:
             run.emit("run.failed", {**final, "error": run.error or run.status,
                                     "status": run.status, "container_id": run.container_id})
+        # The stream ends here, so the run is over for its tenant, who may start
+        # the next one at once; its sandbox, closing, holds a server slot still.
+        slot.leave_share()
         run.log.close()
         run.finished.set()
         for callback in run.finished_callbacks:

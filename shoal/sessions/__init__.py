@@ -13,7 +13,7 @@ from .container_files import (ContainerFile, ContainerFiles, InvalidKey, parse_s
 from .containers import (ContainerElsewhere, ContainerExists, ContainerManager, InvalidContainer, TenantQuotaExceeded, UnknownContainer,
                          UnknownSkill)
 from .uploads import Uploads
-from .manager import AtCapacity, SessionManager, UnknownSession
+from .manager import AtCapacity, SessionManager, Slot, UnknownSession
 from .session import Session
 
 __all__ = [
@@ -22,5 +22,5 @@ __all__ = [
     "path_for_key", "scoped_file_id",
     "ContainerElsewhere", "ContainerExists", "ContainerManager", "InvalidContainer", "TenantQuotaExceeded", "UnknownContainer", "UnknownSkill",
     "AtCapacity", "ExecResult", "FileAccessError", "Limit", "ProducedFile", "SandboxClosed",
-    "Session", "SessionManager", "StoreUnavailable", "UnknownSession", "guess_mime_type",
+    "Session", "SessionManager", "Slot", "StoreUnavailable", "UnknownSession", "guess_mime_type",
 ]

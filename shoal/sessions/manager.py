@@ -13,7 +13,6 @@ import logging
 import os
 import secrets
 import time
-from typing import Callable
 
 from shoal.config import MiB, Settings, read_secret
 from shoal.egress.broker import EgressBroker, Grant, new_socket_dir
@@ -38,6 +37,32 @@ class UnknownSession(LookupError):
 
 class AtCapacity(RuntimeError):
     """Every session slot is taken."""
+
+
+class Slot:
+    """A run's hold on a live-sandbox slot: one of its tenant's share, and one of
+    the server's. The share may be given back first (``leave_share``): a run
+    whose stream has ended is over for its tenant, who may start the next one,
+    while its sandbox, still closing, counts against the server's slots until
+    the slot is called."""
+
+    __slots__ = ("_manager", "_tenant", "_shared", "_held")
+
+    def __init__(self, manager: SessionManager, tenant: str) -> None:
+        self._manager = manager
+        self._tenant = tenant
+        self._shared = self._held = True
+
+    def leave_share(self) -> None:
+        if self._shared:
+            self._shared = False
+            self._manager._unhold(self._tenant)
+
+    def __call__(self) -> None:
+        self.leave_share()
+        if self._held:
+            self._held = False
+            self._manager._reserved -= 1
 
 
 class SessionManager:
@@ -158,19 +183,11 @@ class SessionManager:
         else:
             self._held.pop(tenant, None)
 
-    def claim_slot(self, tenant: str) -> Callable[[], None]:
-        """Hold one of the live-sandbox slots (a run) until the returned function is
+    def claim_slot(self, tenant: str) -> Slot:
+        """Hold one of the live-sandbox slots (a run) until the returned slot is
         called; AtCapacity if none is free, TenantQuotaExceeded past the tenant's share."""
         self._claim_slot(tenant)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self._reserved -= 1
-                self._unhold(tenant)
-        return release
+        return Slot(self, tenant)
 
     def clamp(self, requested: int | None, default: int, ceiling: int) -> int:
         """A lifetime hint may be lowered to our ceiling, never raised above the hint."""

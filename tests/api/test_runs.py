@@ -710,6 +710,23 @@ def test_readers_that_never_read_do_not_each_hold_a_copy_of_the_log(log_server):
         assert names(replay(http, run_id))[-1] == "message"  # and the server serves on
 
 
+def test_a_tenant_running_one_run_at_a_time_is_never_refused(server_factory):
+    """A run's stream ended before its ephemeral sandbox was closed, and only
+    then did the run give back its tenant's slot: a client that waited for
+    [DONE] before starting the next run was told it held its share (60 runs in
+    a row: 15 answered 429). The share is given back when the stream ends; the
+    closing sandbox still counts against the server's slots."""
+    server = server_factory(tenant_max_sessions=2, max_sessions=16, pool_size=2)
+    with server.client() as http:
+        statuses = []
+        for i in range(20):
+            with http.stream("POST", "/v1/code-execution/runs",
+                             json={"code": f"print({i})"}) as response:
+                statuses.append((response.status_code, response.read()[-40:]))
+        assert [status for status, _ in statuses] == [200] * 20, statuses
+        assert all(tail.rstrip().endswith(b"data: [DONE]") for _, tail in statuses)
+
+
 # -- containers ---------------------------------------------------------------------------------
 def _upload(http: httpx.Client, name: str, data: bytes) -> str:
     response = http.post("/v1/files", files={"file": (name, data)}, data={"purpose": "user_data"})
