@@ -132,7 +132,11 @@ class LocalFileStore(FileStore):
         self._uploads = data_dir / "uploads"
         self._quota_bytes = quota_bytes
         self._max_file_bytes = max_file_bytes
-        self._creating = threading.Lock()
+        # One lock per volume: making it (image, mount, its directories) is one
+        # step to anyone opening it, who would otherwise find the image made and
+        # mounted but its directories not yet there.
+        self._locks: dict[Path, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
         for directory in (self._images, self._uploads):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         for directory in (run_dir, self._mounts.parent, self._mounts):
@@ -145,21 +149,29 @@ class LocalFileStore(FileStore):
         # found and reused, never mounted a second time.
         return Volume(self._images / tenant_key / f"{name}.img", self._mounts / tenant_key / name)
 
+    def _lock(self, volume: Volume) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks.setdefault(volume.image, threading.Lock())
+
     def create(self, tenant: str, container_id: str) -> SandboxHome:
         volume = self.volume(tenant, container_id)
         # Two requests making one container's volume at once would both write its
         # image, and the second would replace the one the first mounted.
-        with self._creating:
+        with self._lock(volume):
             if volume.exists:
-                return self.home(tenant, container_id)
+                return self._open(volume, container_id)
             volume.mount_point.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
             volume.create(self._quota_bytes, journal=True)
-        home = SandboxHome(volume.mount_point)
-        home.create(uid=0)  # the next sandbox adopts it
-        return home
+            home = SandboxHome(volume.mount_point)
+            home.create(uid=0)  # the next sandbox adopts it
+            return home
 
     def home(self, tenant: str, container_id: str) -> SandboxHome:
         volume = self.volume(tenant, container_id)
+        with self._lock(volume):
+            return self._open(volume, container_id)
+
+    def _open(self, volume: Volume, container_id: str) -> SandboxHome:
         if not volume.exists:
             raise VolumeMissing(f"container {container_id!r} has no volume")
         volume.mount_point.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
