@@ -149,6 +149,8 @@ def parse_request(body: dict) -> MessagesRequest | None:
     uploads = [block["file_id"] for message in messages if isinstance(message, dict)
                for block in _blocks(message.get("content"))
                if block.get("type") == "container_upload" and isinstance(block.get("file_id"), str)]
+    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
+        raise InvalidMessagesRequest("stream must be true or false")  # "true" read as false
     stream = body.get("stream") is True
     return MessagesRequest(body=body, mode=mode, stream=stream, container_id=container,
                            skills=skills, uploads=uploads, code_tools=code_tools)

@@ -159,7 +159,12 @@ def parse_request(body: dict) -> ResponsesRequest | None:
         items = []
     else:
         raise InvalidResponsesRequest("input must be a string or a list of items", "input")
-    include = body.get("include") or []
+    if body.get("stream") is not None and not isinstance(body.get("stream"), bool):
+        raise InvalidResponsesRequest("stream must be true or false", "stream")
+    include = body.get("include")
+    include = [] if include is None else include
+    if not isinstance(include, list):
+        raise InvalidResponsesRequest("include must be a list", "include")
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise InvalidResponsesRequest("previous_response_id must be a string", "previous_response_id")

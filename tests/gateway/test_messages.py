@@ -567,6 +567,11 @@ def test_malformed_requests_are_anthropic_400s(gateway, upstream, tools, message
     # the type it expected. /validate and /v1/messages must agree.
     headers = {"Authorization": f"Bearer {CLIENT_TOKEN}"}
     body = {"model": "m", "max_tokens": 8, "tools": tools, "messages": messages}
+    if messages == [USER]:  # a body otherwise fine: its stream flag is a string
+        for path in ("/v1/messages", "/v1/messages/validate"):
+            answer = httpx.post(f"{gateway.url}{path}", headers=headers,
+                                json={**body, "tools": [TOOL], "stream": "true"})
+            assert answer.status_code == 400 and "stream" in answer.text, answer.text
     for path in ("/v1/messages", "/v1/messages/validate", "/api/gpt/v1/messages"):
         answer = httpx.post(f"{gateway.url}{path}", json=body, headers=headers)
         assert answer.status_code == 400, (path, answer.text)

@@ -1137,6 +1137,11 @@ def test_malformed_requests_are_openai_400s(upstream, http, tools, items):
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == "tools", error
+    # And what was silently read as "no": a string for stream, for include.
+    for field, value in (("stream", "true"), ("include", OUTPUTS[0])):
+        answer = http.post("/v1/responses", json={"model": MODEL, "input": "hi", "tools": [CI_AUTO],
+                                                  field: value})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
     assert upstream.requests == []
 
 
