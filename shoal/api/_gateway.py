@@ -22,6 +22,17 @@ from starlette.responses import Response, StreamingResponse
 T = TypeVar("T")
 
 
+async def held(gateway, tenant: str, serve: Callable[[], Awaitable[Response]]) -> Response:
+    """``serve()``'s response, counted against ``tenant``'s share of the gateway
+    (``Gateway.hold``: a 429 past it) until its body has been sent."""
+    release = gateway.hold(tenant)
+    try:
+        return _releasing(await serve(), release)
+    except BaseException:
+        release()
+        raise
+
+
 async def unless_gone(request: Request, work: Awaitable[T]) -> T:
     """``work``'s result, or ClientDisconnect (and ``work`` cancelled) if the
     client hangs up first."""
@@ -54,7 +65,19 @@ async def drain(events: AsyncIterator[object]) -> None:
         pass
 
 
-def releasing(response: Response, release: Callable[[], None]) -> Response:
+async def first_chunk(iterator: AsyncIterator[bytes | None]) -> bytes | None:
+    """The loop's first event to send (it yields None for a turn with nothing to
+    show yet), or None if it ended without one."""
+    while True:
+        try:
+            chunk = await iterator.__anext__()
+        except StopAsyncIteration:
+            return None
+        if chunk is not None:
+            return chunk
+
+
+def _releasing(response: Response, release: Callable[[], None]) -> Response:
     """``response``, with ``release`` called once its body has been sent (or
     abandoned); at once for a response whose body is already whole."""
     if isinstance(response, StreamingResponse):

@@ -19,7 +19,7 @@ from shoal.gateway import UpstreamError, UpstreamNotConfigured
 from shoal.gateway.anthropic import InvalidMessagesRequest, parse_request
 
 from ._bodies import read_json_object
-from ._gateway import drain, releasing, unless_gone
+from ._gateway import drain, first_chunk, held, unless_gone
 from ._responses import json_response
 from .auth import tenant_of
 from .errors import ANTHROPIC, BadRequest, error_body, known_failure, request_id_of
@@ -71,12 +71,7 @@ async def create_message(request: Request, tenant: str = Depends(tenant_of)) -> 
         upstream = gateway.upstream("anthropic")
     except UpstreamNotConfigured as exc:
         raise _not_configured(exc) from None
-    release = gateway.hold(tenant)
-    try:
-        return releasing(await _serve(request, tenant, gateway, upstream, parsed), release)
-    except BaseException:
-        release()
-        raise
+    return await held(gateway, tenant, lambda: _serve(request, tenant, gateway, upstream, parsed))
 
 
 async def _serve(request: Request, tenant: str, gateway, upstream, parsed) -> Response:
@@ -98,22 +93,12 @@ async def _serve(request: Request, tenant: str, gateway, upstream, parsed) -> Re
                              headers={"server-timing": loop.timing.server_timing()})
     iterator = events.__aiter__()
     try:
-        first = await unless_gone(request, _next_chunk(iterator))
+        first = await unless_gone(request, first_chunk(iterator))
     except UpstreamError as exc:
         return upstream_error(request, exc)
     return StreamingResponse(_stream(first, iterator, request_id_of(request)),
                              media_type="text/event-stream",
                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-
-
-async def _next_chunk(iterator) -> bytes | None:
-    while True:
-        try:
-            chunk = await iterator.__anext__()
-        except StopAsyncIteration:
-            return None
-        if chunk is not None:
-            return chunk
 
 
 async def _stream(first: bytes | None, iterator, request_id: str | None) -> AsyncIterator[bytes]:
