@@ -12,7 +12,7 @@ import json
 
 from fastapi import Request
 
-from shoal.runs.manager import MAX_FILE_IDS
+from shoal.runs import manager
 
 from .errors import BadRequest
 
@@ -23,11 +23,10 @@ MAX_CONTAINER_NAME_CHARS = 256
 
 def distinct_file_ids(file_ids: list[str], param: str = "file_ids") -> list[str]:
     """The ids in their order, each once, or a 400 past ``MAX_FILE_IDS`` of them."""
-    distinct = list(dict.fromkeys(file_ids))
-    if len(distinct) > MAX_FILE_IDS:
-        raise BadRequest(400, f"{param} names {len(distinct)} files; at most {MAX_FILE_IDS} "
-                              "may be attached by one request", param=param)
-    return distinct
+    try:
+        return manager.distinct_file_ids(file_ids)
+    except manager.TooManyFiles as exc:
+        raise BadRequest(400, f"{param} {exc}", param=param) from None
 
 
 async def read_json_object(request: Request, required: bool = True) -> dict:

@@ -22,9 +22,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from shoal.runs.manager import MAX_FILE_IDS
 from shoal.sandbox.result import Limit
 
-from ._bodies import MAX_CONTAINER_NAME_CHARS, MAX_FILE_IDS
+from ._bodies import MAX_CONTAINER_NAME_CHARS
 from .errors import ErrorBody
 
 

@@ -28,7 +28,8 @@ from typing import AsyncIterator
 
 from shoal.runs import Grant, Run, RunRequest, ToolSpec, normalise_tool
 from shoal.runs.broker import InvalidTools
-from shoal.runs.manager import DEFAULT_TIMEOUT_MS, MAX_FILE_IDS, MAX_TIMEOUT_MS
+from shoal.runs.manager import (DEFAULT_TIMEOUT_MS, MAX_TIMEOUT_MS, TooManyFiles,
+                                 distinct_file_ids)
 from shoal.sessions import ContainerFile
 from shoal.sessions.network import InvalidNetworkPolicy, check_network_policy
 from shoal.storage import ContainerRecord
@@ -179,11 +180,10 @@ def parse_request(body: dict) -> ResponsesRequest | None:
 def _distinct(file_ids: list[str], where: str) -> list[str]:
     """Each id once, in order; a 400 past what one request may attach (each is a
     copy into the container, and one id named 3,000 times was 3,000 copies)."""
-    distinct = list(dict.fromkeys(file_ids))
-    if len(distinct) > MAX_FILE_IDS:
-        raise InvalidResponsesRequest(f"{where}.file_ids names {len(distinct)} files; at most "
-                                      f"{MAX_FILE_IDS} may be attached by one request", "tools")
-    return distinct
+    try:
+        return distinct_file_ids(file_ids)
+    except TooManyFiles as exc:
+        raise InvalidResponsesRequest(f"{where}.file_ids {exc}", "tools") from None
 
 
 def _code_tools(function_tools: list[dict], allowed: list[str]) -> list[ToolSpec]:

@@ -51,6 +51,20 @@ MAX_FILE_IDS = 50
 _LAST_EVENT_ID = "_last_event_id"
 
 
+class TooManyFiles(ValueError):
+    """A request names more files to attach than one request may."""
+
+
+def distinct_file_ids(file_ids: list[str]) -> list[str]:
+    """The ids in their order, each once; TooManyFiles past MAX_FILE_IDS of them
+    (its words follow the field's name: "file_ids names 51 files; …")."""
+    distinct = list(dict.fromkeys(file_ids))
+    if len(distinct) > MAX_FILE_IDS:
+        raise TooManyFiles(f"names {len(distinct)} files; at most {MAX_FILE_IDS} may be "
+                           "attached by one request")
+    return distinct
+
+
 class UnknownRun(LookupError):
     """No run with that id exists for this tenant."""
 
