@@ -453,15 +453,7 @@ class RunManager:
         if run.tools is not None:
             run.tools.fail_all("the run ended")
         record = run.record()
-        final = {key: record[key] for key in ("stdout", "stderr", "duration_ms")}
-        if run.status == "completed":
-            run.emit("run.completed", {**final, "exit_code": record["exit_code"],
-                                       "inner_tool_calls": record["inner_tool_calls"],
-                                       "files": record["files"],
-                                       "container_id": run.container_id})
-        else:
-            run.emit("run.failed", {**final, "error": run.error or run.status,
-                                    "status": run.status, "container_id": run.container_id})
+        run.log.append(*_end_event(record))
         # The stream ends here, so the run is over for its tenant, who may start
         # the next one at once; its sandbox, closing, holds a server slot still.
         slot.leave_share()
@@ -505,22 +497,24 @@ def _replayed(body: dict) -> EventLog:
     last_id = body.get(_LAST_EVENT_ID)
     if isinstance(last_id, bool) or not isinstance(last_id, int) or last_id < 2:
         last_id = 2
-    final = {key: body.get(key) for key in ("stdout", "stderr", "duration_ms")}
     log = EventLog()
     log.append("run.created", {"runId": run_id})
-    if body["status"] == "completed":
-        log.append("run.completed", {"runId": run_id, **final, "exit_code": body["exit_code"],
-                                     "inner_tool_calls": body["inner_tool_calls"],
-                                     "files": body["files"],
-                                     "container_id": body.get("container_id")},
-                   event_id=last_id)
-    else:
-        log.append("run.failed", {"runId": run_id, **final, "status": body["status"],
-                                  "error": body.get("error") or body["status"],
-                                  "container_id": body.get("container_id")},
-                   event_id=last_id)
+    log.append(*_end_event(body), event_id=last_id)
     log.close()
     return log
+
+
+def _end_event(record: dict) -> tuple[str, dict]:
+    """A finished run's last event, from its record (the tool result shape): the
+    same whether the run just ended or its log is rebuilt from the stored record."""
+    data = {"runId": record["run_id"],
+            **{key: record.get(key) for key in ("stdout", "stderr", "duration_ms")}}
+    if record["status"] == "completed":
+        return "run.completed", {**data, "exit_code": record["exit_code"],
+                                 "inner_tool_calls": record["inner_tool_calls"],
+                                 "files": record["files"], "container_id": record.get("container_id")}
+    return "run.failed", {**data, "error": record.get("error") or record["status"],
+                          "status": record["status"], "container_id": record.get("container_id")}
 
 
 def _announce(run: Run, calls: list[PendingCall]) -> None:
