@@ -116,8 +116,9 @@ class ContainerManager:
         self._users: dict[tuple[str, str], int] = {}
         self._idle: dict[tuple[str, str], asyncio.Event] = {}
         self._retiring: set[tuple[str, str]] = set()
-        # Called with (tenant, container id) as a container is retired, before its
-        # sandbox stops: the session manager ends the sessions attached to it.
+        # Called with (tenant, container id) as a container is retired, or found
+        # retired or moved elsewhere, before its sandbox here stops: the session
+        # manager ends the sessions attached to it.
         self.on_retire: Callable[[str, str], None] = lambda tenant, container_id: None
 
     # -- records --------------------------------------------------------------------
@@ -190,10 +191,18 @@ class ContainerManager:
         if (tenant, container_id) in self._retiring:
             raise UnknownContainer(f"no container {container_id!r}")  # being deleted
         record = self._records.get((tenant, container_id))
-        if record is None or record.status != "active" or record.expires_at <= time.time():
-            # Not known here, or gone by what is known here: the store says (another
-            # front end may have made the id anew).
-            record = await self.metadata.get_container(tenant, container_id)
+        if (record is None or record.status != "active" or record.expires_at <= time.time()
+                or self.metadata.shared):
+            # Not known here, or gone by what is known here, or other front ends
+            # may have deleted it or made the id anew since: the store says.
+            stored = await self.metadata.get_container(tenant, container_id)
+            if (record is not None and stored is not None and stored.status == "active"
+                    and stored.created_at == record.created_at
+                    and record.last_active_at > stored.last_active_at):
+                # The same container: what this front end knows of its last use
+                # (written through at most every few seconds) is kept.
+                stored = stored.touched(record.last_active_at)
+            record = stored
         if record is None or record.status != "active" or record.expires_at <= time.time():
             raise UnknownContainer(f"no container {container_id!r}")
         self._records[(tenant, container_id)] = record
@@ -213,6 +222,9 @@ class ContainerManager:
         log.warning("container %s was moved to another host: this host's copy is dropped",
                     key[1])
         self._held.discard(key)
+        # Its sessions here end with the sandbox, as at a retirement: their next
+        # request is a 404, not a call into a stopped sandbox.
+        self.on_retire(*key)
         live = self._live.pop(key, None)
         if live is not None:
             await live.sandbox.close()
@@ -264,10 +276,13 @@ class ContainerManager:
             if not await self.metadata.touch_container(current):
                 # Retired or made anew by another front end meanwhile: what is
                 # cached here is stale, and the store is not overwritten with it.
+                # Its sandbox here, and the sessions on it, end as at a retirement
+                # here (a call that just finished keeps its answer).
                 self._records.pop(key, None)
                 self._touch_written.pop(key, None)
                 live = self._live.get(key)
-                if live is not None and live.created_at == current.created_at and not live.users:
+                if live is not None and live.created_at == current.created_at:
+                    self.on_retire(record.tenant, record.id)
                     del self._live[key]
                     await live.sandbox.close()
         return current
@@ -408,7 +423,10 @@ class ContainerManager:
         try:
             if live is not None and live.created_at != record.created_at:
                 # A container deleted and made anew under this id by another
-                # front end: the old one's sandbox and files here are not its.
+                # front end: the old one's sandbox and files here are not its, and
+                # the sessions on them (all of the old generation: a session of
+                # the new one would have come through here first) end with them.
+                self.on_retire(record.tenant, record.id)
                 del self._live[key]
                 await live.sandbox.close()
                 await asyncio.to_thread(self.files.drop_local, record.tenant, record.id)

@@ -88,6 +88,10 @@ class ResponseRecord:
 
 
 class MetadataStore(abc.ABC):
+    # Whether other front ends write this store too: what one front end caches
+    # of it may then be stale, and the store is read where that matters.
+    shared = False
+
     @abc.abstractmethod
     async def open(self) -> None: ...
 

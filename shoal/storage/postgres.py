@@ -94,6 +94,8 @@ def _container_values(record: ContainerRecord) -> tuple:
 
 
 class PostgresMetadataStore(MetadataStore):
+    shared = True
+
     def __init__(self, url: str, min_size: int = 1, max_size: int = 10) -> None:
         self._url = url
         self._sizes = (min_size, max_size)

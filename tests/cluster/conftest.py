@@ -212,17 +212,29 @@ class RayCluster:
             })
             if launcher():
                 env["SHOAL_LAUNCHER"] = launcher()
-            argv = [ray, "start", "--num-cpus", "1", "--disable-usage-stats",
-                    "--resources", json.dumps({"shoal_host": 1, "shoal_slot": 6,
-                                                f"node{index}": 1}),
-                    "--dashboard-agent-listen-port", str(free_port()),
-                    "--metrics-export-port", str(free_port()),
-                    "--runtime-env-agent-port", str(free_port())]
-            argv += ["--address", self.address]
-            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                self.stop()
-                raise RuntimeError(f"ray start failed: {done.stderr[-2000:]}")
+            # A second try on new ports, as for the head: a node's raylet can time
+            # out the same way registering with a GCS on busy cores. What the
+            # failed try left (a raylet, its agents) is found by a marker in its
+            # environment and killed, so only the second try's node serves.
+            for attempt in (1, 2):
+                argv = [ray, "start", "--num-cpus", "1", "--disable-usage-stats",
+                        "--resources", json.dumps({"shoal_host": 1, "shoal_slot": 6,
+                                                    f"node{index}": 1}),
+                        "--dashboard-agent-listen-port", str(free_port()),
+                        "--metrics-export-port", str(free_port()),
+                        "--runtime-env-agent-port", str(free_port()),
+                        "--address", self.address]
+                marker = f"{self.root}:node{index}:try{attempt}"
+                done = subprocess.run(argv, env={**env, "TEST_RAY_NODE_START": marker},
+                                      capture_output=True, text=True, timeout=120)
+                if done.returncode == 0:
+                    break
+                self._kill(self._started_with(marker))
+                if attempt == 2:
+                    self.stop()
+                    raise RuntimeError(f"ray start failed: {done.stderr[-2000:]}")
+                print(f"ray start of node {index} failed, trying again: {done.stderr[-300:]}",
+                      file=sys.stderr)
             self.nodes.append({"index": index, "data_dir": data_dir, "env": env,
                                "uid_base": uid_base + index * 2000})
 
@@ -246,6 +258,12 @@ class RayCluster:
     def _processes(self, needle: str) -> list[int]:
         """Processes whose command line holds ``needle``."""
         return [pid for pid, argv, _ in _each_process() if needle.encode() in argv]
+
+    @staticmethod
+    def _started_with(marker: str) -> list[int]:
+        """Processes whose environment holds this ``TEST_RAY_NODE_START``."""
+        needle = f"TEST_RAY_NODE_START={marker}\0".encode()
+        return [pid for pid, _, environ in _each_process() if needle in environ]
 
     def host_processes(self, key: str) -> list[int]:
         """The processes of the sandbox host with this node key (its server)."""

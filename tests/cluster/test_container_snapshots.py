@@ -349,3 +349,95 @@ def test_a_host_drops_its_copy_of_a_container_another_host_holds(postgres_url, s
     finally:
         first.stop()
         second.stop()
+
+
+def test_sessions_on_a_container_made_anew_elsewhere_end_with_its_old_sandbox(
+        postgres_url, seaweedfs, tmp_path):
+    """A session on front end A works in container t-3; B deletes t-3 and makes it
+    anew. The next use of t-3 on A stops the old generation's sandbox there: the
+    session on it ends with it (404, its slot free), never left answering with a
+    stopped sandbox."""
+    bucket = seaweedfs.new_bucket()
+    first = _front_end(tmp_path, "a", 970_000, postgres_url, seaweedfs, bucket)
+    second = _front_end(tmp_path, "b", 970_500, postgres_url, seaweedfs, bucket)
+    try:
+        with first.client() as one, second.client() as two:
+            old = one.post("/sessions", json={"container": "t-3"}).json()["session_id"]
+            _exec(one, old, "x = 1")
+            assert two.delete("/v1/containers/t-3").status_code in (200, 204)
+            put = two.put("/api/v1/app/thread/t-3/put-file/new.txt", content=b"new")
+            assert put.status_code == 201, put.text
+
+            new = one.post("/sessions", json={"container": "t-3"})
+            assert new.status_code == 201, new.text
+            seen = _exec(one, new.json()["session_id"],
+                         "import os; print(sorted(os.listdir('/mnt/user-data/uploads')))")
+            assert seen["result_block"]["content"]["stdout"] == "['new.txt']\n", seen
+            assert one.get(f"/sessions/{old}").status_code == 404
+            gone = one.post(f"/sessions/{old}/exec",
+                            json={"tool": "code_execution", "input": {"code": "x"}})
+            assert gone.status_code == 404, gone.text
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_sessions_on_a_container_moved_off_their_host_end_with_its_sandbox(
+        postgres_url, seaweedfs, tmp_path):
+    """Host A holds a container with a session on it; the container is moved to B
+    (as off a host the cluster reported gone). A finds out at its next snapshot,
+    drops its copy and stops the sandbox: the session ends with it (404), and a
+    write for the container through A is sent on to the holder (421)."""
+    bucket = seaweedfs.new_bucket()
+    first = _front_end(tmp_path, "a", 971_000, postgres_url, seaweedfs, bucket, node_key="nhostcccc",
+                       snapshot_interval_seconds=0.5, reaper_interval_seconds=0.5)
+    second = _front_end(tmp_path, "b", 971_500, postgres_url, seaweedfs, bucket, node_key="nhostdddd")
+    try:
+        with first.client() as one:
+            container = one.post("/v1/containers", json={"name": "moving"}).json()["id"]
+            session = one.post("/sessions", json={"container": container}).json()["session_id"]
+            _exec(one, session, "open('/mnt/user-data/outputs/a.txt', 'w').write('a')")
+
+            _move(postgres_url, container, "nhostdddd")
+
+            deadline = time.monotonic() + 30
+            while one.get(f"/sessions/{session}").status_code != 404:
+                assert time.monotonic() < deadline, "the session outlived its container's move"
+                time.sleep(0.2)
+            gone = one.post(f"/sessions/{session}/exec",
+                            json={"tool": "code_execution", "input": {"code": "1"}})
+            assert gone.status_code == 404, gone.text
+            stale = one.post(f"/v1/containers/{container}/files", files={"file": ("b.txt", b"b")})
+            assert stale.status_code == 421, stale.text
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_sessions_on_a_container_deleted_elsewhere_end_at_their_next_call(
+        postgres_url, seaweedfs, tmp_path):
+    """B deletes the container a session on A works in. A learns it at the session's
+    next write-through of its activity (at most every few seconds): that call keeps
+    its answer, and the session ends with the sandbox (404 from then on)."""
+    bucket = seaweedfs.new_bucket()
+    first = _front_end(tmp_path, "a", 972_000, postgres_url, seaweedfs, bucket)
+    second = _front_end(tmp_path, "b", 972_500, postgres_url, seaweedfs, bucket)
+    try:
+        with first.client() as one, second.client() as two:
+            session = one.post("/sessions", json={"container": "t-4"}).json()["session_id"]
+            _exec(one, session, "x = 1")
+            assert two.delete("/v1/containers/t-4").status_code in (200, 204)
+            deadline = time.monotonic() + 30
+            while True:
+                answer = one.post(f"/sessions/{session}/exec",
+                                  json={"tool": "code_execution", "input": {"code": "x"}})
+                if answer.status_code == 404:
+                    break
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["result_block"]["content"]["stdout"] == "1\n", answer.text
+                assert time.monotonic() < deadline, "the session outlived its container"
+                time.sleep(0.5)
+            assert one.get(f"/sessions/{session}").status_code == 404
+    finally:
+        first.stop()
+        second.stop()
