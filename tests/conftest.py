@@ -47,7 +47,8 @@ async def pool(settings):
     if os.environ.get("SHOAL_TEST_EGRESS") == "1":
         broker = EgressBroker(
             new_socket_dir(settings.run_dir), Allowlist(""),
-            lambda uid: Grant("tests", f"uid:{uid}") if pool.sandbox_of_uid(uid) else None,
+            lambda uid: ((box, Grant("tests", f"uid:{uid}"))
+                         if (box := pool.sandbox_of_uid(uid)) is not None else None),
             ModelTokens(60, 1), None, secrets.token_urlsafe(16))
         await broker.start()
         pool.egress_dir = broker.socket_dir

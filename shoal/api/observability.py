@@ -171,6 +171,8 @@ class _LiveCollector:
         yield moved
         yield opened
         yield refused
+        yield GaugeMetricFamily("shoal_egress_open_connections", "Proxy connections open now, "
+                                "all sandboxes together", value=broker.open_connections)
 
 
 def readiness(manager, draining: bool) -> list[tuple[str, str]]:

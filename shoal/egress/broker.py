@@ -28,8 +28,12 @@ domain. A TLS tunnel is opaque to the broker, so a secret cannot reach inside
 one.
 
 Everything is asyncio on the API's event loop. Names are resolved in the
-loop's executor. Each sandbox has a cap on connections. The bytes and
-connections of each container are counted for ``/metrics``.
+loop's executor. Each sandbox has a cap on connections, counted per lease (the
+sandbox object, not its uid: uids are reused). A connection lives no longer
+than the sandbox that opened it: once a second its owners are checked, and the
+connections of one that ended are closed, so a dead sandbox's hung transfers
+neither hold the host's sockets nor count against whoever gets its uid next.
+The bytes and connections of each container are counted for ``/metrics``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ log = logging.getLogger("shoal.egress")
 _HEAD_LIMIT = 64 * 1024
 _CHUNK = 64 * 1024
 _CONNECT_SECONDS = 10.0
+# How often the connections of sandboxes that ended are looked for and closed.
+_SWEEP_SECONDS = 1.0
 # What a sandbox's model token reaches of Shoal's API: the model, nothing else.
 _MODEL_PATHS = ("/v1/messages", "/v1/responses")
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authorization",
@@ -82,6 +88,14 @@ class Traffic:
     refused: int = 0
 
 
+@dataclass(eq=False)
+class _Owned:
+    """The open connections of one lease: its uid, and the tasks serving them."""
+
+    uid: int
+    tasks: set = field(default_factory=set)
+
+
 class _Refused(Exception):
     def __init__(self, status: int, reason: str) -> None:
         super().__init__(reason)
@@ -89,20 +103,25 @@ class _Refused(Exception):
 
 
 class EgressBroker:
-    def __init__(self, socket_dir: Path, operator: Allowlist, grant_for: Callable[[int], Grant | None],
+    def __init__(self, socket_dir: Path, operator: Allowlist,
+                 lease_of: Callable[[int], tuple[object, Grant | None] | None],
                  tokens: ModelTokens, gateway: tuple[str, int] | None, internal_secret: str,
                  max_connections: int = 32) -> None:
+        """``lease_of(uid)``: the live sandbox running as ``uid`` (any object that
+        is the same for as long as that sandbox lives) and its grant; None when
+        no sandbox runs as ``uid``."""
         self.socket_dir = socket_dir
         self._operator = operator
-        self._grant_for = grant_for
+        self._lease_of = lease_of
         self._tokens = tokens
         self._gateway = gateway
         self._internal_secret = internal_secret
         self._max_connections = max_connections
-        self._open: dict[int, int] = defaultdict(int)
+        self._open: dict[object, _Owned] = {}
         self.traffic: dict[str, Traffic] = defaultdict(Traffic)
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._sweeper: asyncio.Task | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -122,11 +141,16 @@ class EgressBroker:
         os.chmod(self.socket_path, 0o666)  # any sandbox uid connects; SO_PEERCRED decides
         sock.listen(1024)
         self._server = await asyncio.start_unix_server(self._serve, sock=sock, limit=_HEAD_LIMIT)
+        self._sweeper = asyncio.create_task(self._sweep_forever())
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -146,23 +170,46 @@ class EgressBroker:
                 self.traffic.pop(scope, None)
         return sorted((scope, traffic) for scope, traffic in snapshot if scope in live)
 
+    @property
+    def open_connections(self) -> int:
+        return sum(len(owned.tasks) for owned in self._open.values())
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(_SWEEP_SECONDS)
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Close the connections of leases that ended (their sandbox stopped, or its
+        uid serves another sandbox now)."""
+        for owner, owned in list(self._open.items()):
+            lease = self._lease_of(owned.uid)
+            if lease is not None and lease[0] is owner:
+                continue
+            log.info("closing %d egress connections of a sandbox that ended", len(owned.tasks))
+            for task in owned.tasks:
+                task.cancel()
+            del self._open[owner]
+
     # -- one connection ----------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         self._tasks.add(task)
         uid = _peer_uid(writer.get_extra_info("socket"))
-        grant = self._grant_for(uid) if uid is not None else None
+        lease = self._lease_of(uid) if uid is not None else None
+        owner, grant = lease if lease is not None else (None, None)
         if grant is None:  # not a live sandbox: no answer at all
             writer.close()
             self._tasks.discard(task)
             return
         traffic = self.traffic[grant.container_id or f"uid:{uid}"]
-        if self._open[uid] >= self._max_connections:
+        owned = self._open.setdefault(owner, _Owned(uid))
+        if len(owned.tasks) >= self._max_connections:
             traffic.refused += 1
             await _answer(writer, 429, f"at most {self._max_connections} connections at once")
             self._tasks.discard(task)
             return
-        self._open[uid] += 1
+        owned.tasks.add(task)
         traffic.connections += 1
         try:
             await self._proxy(reader, writer, grant, traffic)
@@ -173,10 +220,12 @@ class EgressBroker:
             await _answer(writer, refusal.status, str(refusal))
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
+        except asyncio.CancelledError:
+            pass  # its sandbox ended, or the broker is closing
         finally:
-            self._open[uid] -= 1
-            if not self._open[uid]:
-                del self._open[uid]
+            owned.tasks.discard(task)
+            if not owned.tasks and self._open.get(owner) is owned:
+                del self._open[owner]
             writer.close()
             self._tasks.discard(task)
 
@@ -204,9 +253,19 @@ class EgressBroker:
         parts = urlsplit(target)
         if parts.scheme != "http" or not parts.hostname:
             raise _Refused(400, "the proxy takes CONNECT, or absolute http:// URLs")
-        host, port = parts.hostname.lower(), parts.port or 80
+        try:
+            port = parts.port or 80
+        except ValueError:
+            raise _Refused(400, f"bad destination {parts.netloc!r}") from None
+        host = parts.hostname.lower().rstrip(".")
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        kept = [(name, value) for name, value in headers if name.lower() not in _HOP_BY_HOP]
+        # The URL names the destination, and its Host header is the URL's host
+        # (as HTTP says a proxy does): a Host of the client's choice would reach
+        # any virtual host behind an allowed address.
+        kept = [(name, value) for name, value in headers
+                if name.lower() not in _HOP_BY_HOP and name.lower() != "host"]
+        authority = f"[{host}]" if ":" in host else host
+        kept.insert(0, ("Host", authority if port == 80 else f"{authority}:{port}"))
         if host == MODEL_HOST:
             if not path.startswith(_MODEL_PATHS):
                 raise _Refused(403, f"{MODEL_HOST} serves the model API only "
@@ -231,6 +290,8 @@ class EgressBroker:
             found = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except socket.gaierror:
             raise _Refused(502, f"cannot resolve {host}") from None
+        except UnicodeError:  # a label the IDNA codec refuses: empty, or over 63 characters
+            raise _Refused(400, f"bad host name {host!r}") from None
         addresses = list(dict.fromkeys(info[4][0] for info in found))
         for address in addresses:
             if not policy.allows_address(ipaddress.ip_address(address.split("%")[0]), port):

@@ -18,7 +18,7 @@ from shoal.config import MiB, Settings, read_secret
 from shoal.egress.broker import EgressBroker, Grant, new_socket_dir
 from shoal.egress.policy import Allowlist
 from shoal.egress.tokens import ModelTokens
-from shoal.sandbox import SandboxPool
+from shoal.sandbox import Sandbox, SandboxPool
 from shoal.storage import open_files, open_metadata
 
 from . import network
@@ -97,7 +97,7 @@ class SessionManager:
                 else "127.0.0.1"
             self.egress = EgressBroker(
                 new_socket_dir(self.settings.run_dir),
-                Allowlist(self.settings.egress_allow), self._grant_of_uid, self.model_tokens,
+                Allowlist(self.settings.egress_allow), self._lease_of_uid, self.model_tokens,
                 (host, self.settings.port) if self.settings.model_upstream else None,
                 self.internal_secret, self.settings.egress_max_connections)
             await self.egress.start()
@@ -128,9 +128,9 @@ class SessionManager:
         sandbox.egress_grant = grant if self.egress is not None else None
         sandbox.call_env = {**secret_env, **(env or {})} if self.egress is not None else {}
 
-    def _grant_of_uid(self, uid: int) -> Grant | None:
+    def _lease_of_uid(self, uid: int) -> tuple[Sandbox, Grant | None] | None:
         sandbox = self.pool.sandbox_of_uid(uid)
-        return getattr(sandbox, "egress_grant", None) if sandbox is not None else None
+        return (sandbox, getattr(sandbox, "egress_grant", None)) if sandbox is not None else None
 
     async def cut_all(self, reason: str) -> int:
         """Stop every running call, sessions' and runs' alike (see SandboxPool.cut_all)."""

@@ -43,6 +43,8 @@ class _Service(ThreadingHTTPServer):
     def __init__(self, name: str) -> None:
         self.name = name
         self.seen: list[dict] = []
+        self.holding = 0
+        self.release = threading.Event()
         super().__init__(("127.0.0.1", 0), _ServiceHandler)
         self.port = self.server_address[1]
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -51,11 +53,17 @@ class _Service(ThreadingHTTPServer):
 class _ServiceHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         self.server.seen.append({"path": self.path, "headers": dict(self.headers)})
+        if self.path == "/slow":  # holds its answer until the test lets it go
+            self.server.holding += 1
+            self.server.release.wait(120)
         body = f"hello from {self.server.name}\n".encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except ConnectionError:
+            pass  # a held answer's client is gone (as the test meant)
 
     def log_message(self, *args) -> None:
         pass
@@ -267,6 +275,104 @@ def test_metrics_count_each_containers_traffic(egress_server, services):
     assert lines[f'shoal_egress_refused_total{{container="{box}"}}'] == 1, lines
     assert lines[f'shoal_egress_bytes_total{{container="{box}",direction="in"}}'] > 0, lines
     assert lines[f'shoal_egress_bytes_total{{container="{box}",direction="out"}}'] > 0, lines
+
+
+HOLD = """
+import os, threading, urllib.request
+for name in ('NO_PROXY', 'no_proxy'):
+    os.environ.pop(name, None)
+def hold():
+    try:
+        urllib.request.urlopen({url!r}, timeout=120).read()
+    except Exception:
+        pass
+for _ in range({n}):
+    threading.Thread(target=hold, daemon=True).start()
+print(open('/proc/self/uid_map').read().split()[1])
+"""
+
+UID = "print(open('/proc/self/uid_map').read().split()[1])"
+
+RAW = """
+import os, socket
+from urllib.parse import urlsplit
+proxy = urlsplit(os.environ['HTTP_PROXY'])
+def ask(head):
+    with socket.create_connection((proxy.hostname, proxy.port), timeout=20) as s:
+        s.sendall(head.encode())
+        answer = b''
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer.decode('latin-1').split(' ')[1] if answer else 'closed'
+print(open('/proc/self/uid_map').read().split()[1])
+print(ask('GET http://127.0.0.1:{port}/hi HTTP/1.1\\r\\nHost: internal-admin.corp\\r\\n\\r\\n'))
+print(ask('GET http://127.0.0.1:99999/ HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n'))
+print(ask('CONNECT ' + 'a' * 64 + '.example.com:443 HTTP/1.1\\r\\n\\r\\n'))
+print(ask('CONNECT a..example.com:443 HTTP/1.1\\r\\n\\r\\n'))
+"""
+
+
+def _open_egress(server) -> float:
+    with server.client(OPERATOR_TOKEN) as http:
+        metrics = http.get("/metrics").text
+    (value,) = [line.split(" ")[1] for line in metrics.splitlines()
+                if line.startswith("shoal_egress_open_connections ")]
+    return float(value)
+
+
+def test_a_sandbox_that_ends_takes_its_connections_with_it(gateway_factory):
+    """A session's code holds every connection it may open on a service that never
+    answers, and the session is deleted: the broker closes those connections (they
+    held the host's sockets and fds for as long as the service stayed silent), and
+    the next sandbox to get the same uid has its whole allowance, not a 429 for
+    what a dead sandbox held. Bad destinations are a 400, not a dropped
+    connection and a traceback in the log; the Host header is the URL's."""
+    slow = _Service("slow")
+    server = gateway_factory(egress_allow=f"127.0.0.1:{slow.port},*.example.com:443",
+                             egress_max_connections=3, uid_count=2, pool_size=1,
+                             operator_tokens=OPERATOR_TOKEN)
+    try:
+        with server.client(CLIENT_TOKEN) as http:
+            def session() -> str:
+                answer = http.post("/sessions", json={})
+                assert answer.status_code == 201, answer.text
+                return answer.json()["session_id"]
+
+            def run(session_id: str, code: str) -> str:
+                answer = http.post(f"/sessions/{session_id}/exec", json={
+                    "tool": "code_execution", "input": {"code": code}})
+                assert answer.status_code == 200, answer.text
+                return answer.json()["result_block"]["content"]["stdout"]
+
+            first = session()
+            first_uid = run(first, HOLD.format(url=f"http://127.0.0.1:{slow.port}/slow", n=3)).strip()
+            deadline = time.monotonic() + 30
+            while slow.holding < 3 or _open_egress(server) < 3:
+                assert time.monotonic() < deadline, (slow.holding, _open_egress(server))
+                time.sleep(0.1)
+            assert http.delete(f"/sessions/{first}").status_code in (200, 204)
+            deadline = time.monotonic() + 10
+            while _open_egress(server):
+                assert time.monotonic() < deadline, "a deleted session's connections stayed open"
+                time.sleep(0.2)
+            # Two uids, leased round-robin: within a few sessions one has the first's.
+            for _ in range(4):
+                later = session()
+                if run(later, UID).strip() == first_uid:
+                    break
+                assert http.delete(f"/sessions/{later}").status_code in (200, 204)
+            uid, host_header, bad_port, long_label, empty_label = run(
+                later, RAW.format(port=slow.port)).split()
+            assert uid == first_uid
+            assert host_header == "200"
+            assert slow.seen[-1]["path"] == "/hi"
+            assert slow.seen[-1]["headers"]["Host"] == f"127.0.0.1:{slow.port}"
+            assert (bad_port, long_label, empty_label) == ("400", "400", "400")
+        assert "Unhandled exception" not in server.log()
+    finally:
+        slow.release.set()
+        slow.shutdown()
+        slow.server_close()
 
 
 # -- the model API from inside ----------------------------------------------------------------
