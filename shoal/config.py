@@ -168,6 +168,10 @@ class Settings(BaseSettings):
     response_retention_seconds: int = Field(7 * 86400, ge=60, description="How long stored "
                                             "/v1/responses objects stay readable (for "
                                             "previous_response_id).")
+    tenant_max_stored_response_bytes: int = Field(
+        1024 * MiB, ge=1, description="Bytes of stored /v1/responses objects (each holds its "
+        "conversation so far) one tenant may keep; past it a request that would store one is "
+        "a 429 until some are deleted or age out.")
 
     # -- egress: what sandboxes may reach, through the host's broker -------------------
     egress_allow: str = Field("", description="Where any sandbox may connect, through the "

@@ -167,6 +167,16 @@ class Gateway:
     async def prepare_responses(self, tenant: str, request: openai.ResponsesRequest,
                                 headers: dict[str, str]) -> "ResponsesSession":
         upstream = self.upstream("openai")
+        if request.store:
+            # Checked before the model is asked: a response is stored only once it
+            # is done, when refusing to keep it would lose what the client paid for.
+            # So a tenant passes its quota by at most what its requests in flight add.
+            used = await self.sessions.metadata.stored_response_bytes(tenant)
+            if used >= self.settings.tenant_max_stored_response_bytes:
+                raise TenantQuotaExceeded(
+                    f"this tenant's stored responses take {used} bytes, its quota of "
+                    f"{self.settings.tenant_max_stored_response_bytes}; delete some "
+                    "(DELETE /v1/responses/{id}), or send \"store\": false")
         containers = self.sessions.containers
         state: dict = {}
         pending = None

@@ -207,6 +207,10 @@ class MetadataStore(abc.ABC):
     async def put_response(self, record: ResponseRecord) -> None: ...
 
     @abc.abstractmethod
+    async def stored_response_bytes(self, tenant: str) -> int:
+        """What a tenant's stored responses take, as stored."""
+
+    @abc.abstractmethod
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None: ...
 
     @abc.abstractmethod

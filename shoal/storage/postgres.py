@@ -28,7 +28,7 @@ from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecor
                        UploadRecord)
 # One schema, one version sequence, one mapping of rows to records, for both stores.
 from .sqlite import (_MIGRATIONS, _TAKE_OVER, SCHEMA_VERSION, SchemaTooNew, _container, _file,
-                     _upload)
+                     _response_texts, _upload)
 
 _LOCK_KEY = 0x5E0A1  # pg_advisory_xact_lock: one migrator at a time
 # pg_advisory_xact_lock(_UPLOADS_LOCK, hashtext(tenant)): one upload of a tenant is
@@ -312,12 +312,17 @@ class PostgresMetadataStore(MetadataStore):
 
     # -- stored responses ------------------------------------------------------------------
     async def put_response(self, record: ResponseRecord) -> None:
+        body, state, size = _response_texts(record)
         await self.pool.execute(
-            "INSERT INTO responses (tenant, id, created_at, body, state) VALUES ($1,$2,$3,$4,$5) "
+            "INSERT INTO responses (tenant, id, created_at, body, state, bytes) "
+            "VALUES ($1,$2,$3,$4,$5,$6) "
             "ON CONFLICT (tenant, id) DO UPDATE SET created_at = EXCLUDED.created_at, "
-            "body = EXCLUDED.body, state = EXCLUDED.state",
-            record.tenant, record.id, record.created_at,
-            json.dumps(record.body, ensure_ascii=False), json.dumps(record.state, ensure_ascii=False))
+            "body = EXCLUDED.body, state = EXCLUDED.state, bytes = EXCLUDED.bytes",
+            record.tenant, record.id, record.created_at, body, state, size)
+
+    async def stored_response_bytes(self, tenant: str) -> int:
+        return int(await self.pool.fetchval(
+            "SELECT COALESCE(SUM(bytes), 0) FROM responses WHERE tenant = $1", tenant))
 
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
         row = await self.pool.fetchrow("SELECT tenant, id, created_at, body, state FROM responses "

@@ -99,6 +99,10 @@ _MIGRATIONS = (
         PRIMARY KEY (tenant, id)
     );
     """,
+    # 5: each stored response's size, for its tenant's quota (older ones count 0).
+    """
+    ALTER TABLE responses ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -414,10 +418,15 @@ class SqliteMetadataStore(MetadataStore):
 
     # -- stored responses ------------------------------------------------------------------
     async def put_response(self, record: ResponseRecord) -> None:
+        body, state, size = _response_texts(record)
         await self._write(
-            "INSERT OR REPLACE INTO responses (tenant, id, created_at, body, state) VALUES (?,?,?,?,?)",
-            (record.tenant, record.id, record.created_at, json.dumps(record.body, ensure_ascii=False),
-             json.dumps(record.state, ensure_ascii=False)))
+            "INSERT OR REPLACE INTO responses (tenant, id, created_at, body, state, bytes) "
+            "VALUES (?,?,?,?,?,?)", (record.tenant, record.id, record.created_at, body, state, size))
+
+    async def stored_response_bytes(self, tenant: str) -> int:
+        rows = await self._rows("SELECT COALESCE(SUM(bytes), 0) FROM responses WHERE tenant = ?",
+                                (tenant,))
+        return int(rows[0][0])
 
     async def get_response(self, tenant: str, response_id: str) -> ResponseRecord | None:
         rows = await self._rows("SELECT tenant, id, created_at, body, state FROM responses "
@@ -438,3 +447,10 @@ class SqliteMetadataStore(MetadataStore):
         cursor = await self.db.execute("DELETE FROM responses WHERE created_at < ?", (created_before,))
         await self.db.commit()
         return cursor.rowcount
+
+
+def _response_texts(record: ResponseRecord) -> tuple[str, str, int]:
+    """A stored response's body and state as stored, and the bytes they take."""
+    body = json.dumps(record.body, ensure_ascii=False)
+    state = json.dumps(record.state, ensure_ascii=False)
+    return body, state, len(body.encode()) + len(state.encode())

@@ -166,9 +166,14 @@ async def test_files_uploads_runs_responses(store):
     assert await store.get_run("alpha", "run_old") is None
     assert (await store.get_run("alpha", "run_new")).container_id == "cnt_1"
 
-    response = ResponseRecord("alpha", "resp_1", new, {"output": []}, {"input": [1]})
+    response = ResponseRecord("alpha", "resp_1", new, {"output": []}, {"input": ["\u2603"]})
     await store.put_response(response)
     assert await store.get_response("alpha", "resp_1") == response
+    # As stored: the JSON texts' UTF-8 bytes ({"output": []} and {"input": ["☃"]}).
+    assert await store.stored_response_bytes("alpha") == 14 + 18
+    await store.put_response(response)  # stored again: replaced, not counted twice
+    assert await store.stored_response_bytes("alpha") == 32
+    assert await store.stored_response_bytes("beta") == 0
     assert await store.delete_response("beta", "resp_1") is False
     assert await store.delete_response("alpha", "resp_1") is True
     await store.put_response(ResponseRecord("alpha", "resp_2", old, {}, {}))

@@ -1251,3 +1251,46 @@ def test_stored_response_is_retrievable_unless_store_false(upstream, openai_clie
     with pytest.raises(openai.NotFoundError):
         openai_client.responses.create(model=MODEL, input="again", tools=[CI_AUTO],
                                        previous_response_id=unstored.id)
+
+
+def test_stored_responses_are_held_to_the_tenants_quota(upstream, gateway_factory):
+    """Every stored response keeps the conversation so far: a tenant continuing one
+    chain again and again stored without bound. Past its quota a request that
+    would store is a 429 in OpenAI's shape, before the model is asked; one with
+    "store": false still runs, another tenant is not affected, and deleting
+    stored responses makes room."""
+    server = gateway_factory(tenant_max_stored_response_bytes=30_000)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=CLIENT_TOKEN, max_retries=0)
+    padding = "p" * 4_000
+    previous, stored = None, []
+    while True:
+        asked = len(upstream.requests)
+        upstream.script(openai_turn(message("Noted.")))
+        try:
+            answer = client.responses.create(model=MODEL, input=f"Remember {padding}",
+                                             tools=[CI_AUTO], previous_response_id=previous)
+        except openai.RateLimitError as exc:
+            assert exc.status_code == 429
+            assert "stored responses" in exc.message and "quota" in exc.message, exc.message
+            assert len(upstream.requests) == asked  # refused before the model was asked
+            assert upstream.turns_left == 1
+            upstream.reset()  # the turn that was not used
+            break
+        previous = answer.id
+        stored.append(answer.id)
+        assert len(stored) < 10, "the quota never applied"
+    # The chain grows: its stored sizes add up past 30,000 bytes in a few turns.
+    assert 2 <= len(stored) <= 6, len(stored)
+
+    upstream.script(openai_turn(message("Not kept.")))
+    unstored = client.responses.create(model=MODEL, input="Hi", tools=[CI_AUTO], store=False)
+    assert unstored.output_text == "Not kept."
+
+    other = openai.OpenAI(base_url=server.url + "/v1", api_key=OTHER_TOKEN, max_retries=0)
+    upstream.script(openai_turn(message("Yours.")))
+    assert other.responses.create(model=MODEL, input="Hi", tools=[CI_AUTO]).output_text == "Yours."
+
+    for response_id in stored:
+        client.responses.delete(response_id)
+    upstream.script(openai_turn(message("Room again.")))
+    assert client.responses.create(model=MODEL, input="Hi", tools=[CI_AUTO]).output_text == "Room again."
