@@ -181,6 +181,9 @@ class Settings(BaseSettings):
                               "network_policy can only narrow it. Empty: nothing.")
     egress_max_connections: int = Field(32, ge=1, description="Connections one sandbox may "
                                         "hold open through the proxy at once.")
+    egress_bytes_per_second: int = Field(64 * MiB, ge=1, description="Bytes one sandbox may "
+                                         "move through the proxy per second, both ways "
+                                         "together (bursts of a second's worth).")
     model_access: bool = Field(True, description="Whether code run by /v1/messages and "
                                "/v1/responses may call the model API itself (with a short-"
                                "lived token of the request's tenant; the operator's key stays "

@@ -28,8 +28,9 @@ domain. A TLS tunnel is opaque to the broker, so a secret cannot reach inside
 one.
 
 Everything is asyncio on the API's event loop. Names are resolved in the
-loop's executor. Each sandbox has a cap on connections, counted per lease (the
-sandbox object, not its uid: uids are reused). A connection lives no longer
+loop's executor. Each sandbox has a cap on connections and on bytes per second
+(one sandbox's download must not take the loop every other tenant's requests
+run on), counted per lease (the sandbox object, not its uid: uids are reused). A connection lives no longer
 than the sandbox that opened it: once a second its owners are checked, and the
 connections of one that ended are closed, so a dead sandbox's hung transfers
 neither hold the host's sockets nor count against whoever gets its uid next.
@@ -46,6 +47,7 @@ import secrets
 import shutil
 import socket
 import struct
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,11 +90,29 @@ class Traffic:
     refused: int = 0
 
 
+class _Rate:
+    """A token bucket: ``rate`` bytes a second, bursts of a second's worth."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._tokens = float(rate)
+        self._at = time.monotonic()
+
+    async def spend(self, size: int) -> None:
+        now = time.monotonic()
+        self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate) - size
+        self._at = now
+        if self._tokens < 0:  # in debt: paid back before the next chunk moves
+            await asyncio.sleep(-self._tokens / self.rate)
+
+
 @dataclass(eq=False)
 class _Owned:
-    """The open connections of one lease: its uid, and the tasks serving them."""
+    """The open connections of one lease: its uid, the tasks serving them, and
+    the rate all of them share."""
 
     uid: int
+    rate: _Rate
     tasks: set = field(default_factory=set)
 
 
@@ -106,7 +126,7 @@ class EgressBroker:
     def __init__(self, socket_dir: Path, operator: Allowlist,
                  lease_of: Callable[[int], tuple[object, Grant | None] | None],
                  tokens: ModelTokens, gateway: tuple[str, int] | None, internal_secret: str,
-                 max_connections: int = 32) -> None:
+                 max_connections: int = 32, bytes_per_second: int = 64 * 1024 * 1024) -> None:
         """``lease_of(uid)``: the live sandbox running as ``uid`` (any object that
         is the same for as long as that sandbox lives) and its grant; None when
         no sandbox runs as ``uid``."""
@@ -117,6 +137,7 @@ class EgressBroker:
         self._gateway = gateway
         self._internal_secret = internal_secret
         self._max_connections = max_connections
+        self._bytes_per_second = bytes_per_second
         self._open: dict[object, _Owned] = {}
         self.traffic: dict[str, Traffic] = defaultdict(Traffic)
         self._server: asyncio.AbstractServer | None = None
@@ -203,7 +224,9 @@ class EgressBroker:
             self._tasks.discard(task)
             return
         traffic = self.traffic[grant.container_id or f"uid:{uid}"]
-        owned = self._open.setdefault(owner, _Owned(uid))
+        owned = self._open.get(owner)
+        if owned is None:
+            owned = self._open[owner] = _Owned(uid, _Rate(self._bytes_per_second))
         if len(owned.tasks) >= self._max_connections:
             traffic.refused += 1
             await _answer(writer, 429, f"at most {self._max_connections} connections at once")
@@ -212,7 +235,7 @@ class EgressBroker:
         owned.tasks.add(task)
         traffic.connections += 1
         try:
-            await self._proxy(reader, writer, grant, traffic)
+            await self._proxy(reader, writer, grant, traffic, owned.rate)
         except _Refused as refusal:
             traffic.refused += 1
             log.info("egress refused: %s", refusal, extra={"tenant": grant.tenant,
@@ -229,7 +252,7 @@ class EgressBroker:
             writer.close()
             self._tasks.discard(task)
 
-    async def _proxy(self, reader, writer, grant: Grant, traffic: Traffic) -> None:
+    async def _proxy(self, reader, writer, grant: Grant, traffic: Traffic, rate: _Rate) -> None:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError:
@@ -248,7 +271,7 @@ class EgressBroker:
             upstream = await self._open_checked(grant, host, port)
             writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
             await writer.drain()
-            await _splice(reader, writer, *upstream, traffic)
+            await _splice(reader, writer, *upstream, traffic, rate)
             return
         parts = urlsplit(target)
         if parts.scheme != "http" or not parts.hostname:
@@ -279,7 +302,7 @@ class EgressBroker:
         request.append("Connection: close")
         upstream[1].write(("\r\n".join(request) + "\r\n\r\n").encode("latin-1"))
         traffic.bytes_out += len(head)
-        await _splice(reader, writer, *upstream, traffic)
+        await _splice(reader, writer, *upstream, traffic, rate)
 
     async def _open_checked(self, grant: Grant, host: str, port: int):
         policy = Narrowed(self._operator, grant.allowed)
@@ -405,7 +428,7 @@ async def _answer(writer: asyncio.StreamWriter, status: int, reason: str) -> Non
 
 
 async def _splice(client_reader, client_writer, upstream_reader, upstream_writer,
-                  traffic: Traffic) -> None:
+                  traffic: Traffic, rate: _Rate) -> None:
     async def pump(reader, writer, outbound: bool) -> None:
         try:
             while data := await reader.read(_CHUNK):
@@ -413,6 +436,7 @@ async def _splice(client_reader, client_writer, upstream_reader, upstream_writer
                     traffic.bytes_out += len(data)
                 else:
                     traffic.bytes_in += len(data)
+                await rate.spend(len(data))
                 writer.write(data)
                 await writer.drain()
             if writer.can_write_eof():

@@ -99,7 +99,8 @@ class SessionManager:
                 new_socket_dir(self.settings.run_dir),
                 Allowlist(self.settings.egress_allow), self._lease_of_uid, self.model_tokens,
                 (host, self.settings.port) if self.settings.model_upstream else None,
-                self.internal_secret, self.settings.egress_max_connections)
+                self.internal_secret, self.settings.egress_max_connections,
+                self.settings.egress_bytes_per_second)
             await self.egress.start()
             self.pool.egress_dir = self.egress.socket_dir
         await self.pool.start()

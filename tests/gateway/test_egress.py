@@ -57,6 +57,8 @@ class _ServiceHandler(BaseHTTPRequestHandler):
             self.server.holding += 1
             self.server.release.wait(120)
         body = f"hello from {self.server.name}\n".encode()
+        if self.path.startswith("/big/"):  # /big/N: N MiB
+            body = b"\0" * (int(self.path[5:]) << 20)
         try:
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
@@ -373,6 +375,22 @@ def test_a_sandbox_that_ends_takes_its_connections_with_it(gateway_factory):
         slow.release.set()
         slow.shutdown()
         slow.server_close()
+
+
+def test_a_sandbox_moves_bytes_at_its_rate(gateway_factory, services):
+    """One sandbox's download through the broker (on the API's event loop) is held
+    to egress_bytes_per_second: 4 MiB at 1 MiB/s, a second's worth at once and
+    the rest at the rate, takes 3 s, and arrives whole."""
+    allowed, _ = services
+    server = gateway_factory(egress_allow=f"127.0.0.1:{allowed.port}",
+                             egress_bytes_per_second=1 << 20)
+    with server.client(CLIENT_TOKEN) as http:
+        box = _container(http)
+        answer = _sh(http, box, f"{DIRECT} curl -sS -o /dev/null -w '%{{size_download}} "
+                                f"%{{time_total}}' http://127.0.0.1:{allowed.port}/big/4")
+    size, seconds = answer.get("stdout", "").split()
+    assert int(size) == 4 << 20, answer
+    assert float(seconds) >= 2.5, answer
 
 
 # -- the model API from inside ----------------------------------------------------------------
