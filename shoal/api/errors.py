@@ -169,6 +169,18 @@ def known_failure(exc: BaseException) -> tuple[int, str] | None:
     return None
 
 
+def stream_failure(exc: BaseException, what: str) -> tuple[int, str]:
+    """The status and words a stream that has begun ends with for ``exc``, logged:
+    a known failure as a warning, anything else as the bug it is (its words are
+    not the client's to see)."""
+    known = known_failure(exc)
+    if known is None:
+        log.error("%s failed mid-stream", what, exc_info=exc)
+        return 500, "internal error"
+    log.warning("%s failed: %s", what, known[1], extra={"status": known[0]})
+    return known
+
+
 def install(app: FastAPI) -> None:
     def handler(exception: type, status: int | None = None, message: str | None = None):
         if status is not None:

@@ -9,7 +9,6 @@ that upstream unchanged. Errors are Anthropic's (``{"type": "error", "error":
 from __future__ import annotations
 
 import json
-import logging
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -22,12 +21,11 @@ from ._bodies import read_json_object
 from ._gateway import drain, first_chunk, held, unless_gone
 from ._responses import json_response
 from .auth import tenant_of
-from .errors import ANTHROPIC, BadRequest, error_body, known_failure, request_id_of
+from .errors import ANTHROPIC, BadRequest, error_body, request_id_of, stream_failure
 from .schemas import (MESSAGE_EVENTS, MESSAGES_ERRORS, Message, MessagesRequest,
                       MessagesValidation, request_body)
 
 router = APIRouter(tags=["messages"])
-log = logging.getLogger("shoal.gateway")
 
 
 async def _body(request: Request) -> dict:
@@ -115,13 +113,8 @@ async def _stream(first: bytes | None, iterator, request_id: str | None) -> Asyn
             error_body(ANTHROPIC, exc.status, exc.message))
         yield _event("error", {**body, "request_id": request_id})
     except Exception as exc:  # noqa: BLE001 - the stream says so instead of breaking off
-        known = known_failure(exc)
-        if known is None:
-            log.exception("the tool loop failed mid-stream")
-            known = (500, "internal error")
-        else:
-            log.warning("a streamed message failed: %s", known[1], extra={"status": known[0]})
-        yield _event("error", error_body(ANTHROPIC, *known, request_id))
+        yield _event("error", error_body(ANTHROPIC, *stream_failure(exc, "a streamed message"),
+                                         request_id))
 
 
 def _event(name: str, data: dict) -> bytes:

@@ -15,7 +15,6 @@ the usual envelope), and the reference backend's programmatic tools.
 from __future__ import annotations
 
 import asyncio
-import logging
 import keyword
 import re
 import secrets
@@ -32,12 +31,11 @@ from ._sse import EventStream, chunks
 from ._responses import file_response, json_response
 from ._uploads import read_upload, upload_file_name
 from .auth import tenant_of
-from .errors import ERROR_RESPONSES, BadRequest, known_failure
+from .errors import ERROR_RESPONSES, BadRequest, stream_failure
 from .schemas import (BINARY, EXEC_EVENTS, PROTOCOL_ERRORS, CreateSessionRequest, ExecRequest,
                       ExecResponse, FileList, FileUploadResult, ProgrammaticToolsRegistered,
                       RegisterProgrammaticTools, SessionHandle, WorkspaceUpload, request_body)
 
-_log = logging.getLogger("shoal")
 router = APIRouter(responses=ERROR_RESPONSES)
 
 # Contract tool kind -> (sessions-layer tool, result block type)
@@ -235,11 +233,8 @@ def _streamed_exec(request: Request, session: Session, kind: str, tool: str, pay
         except Exception as exc:  # noqa: BLE001 - the stream says what happened
             # In the words (and with the status) the JSON answer would have had;
             # anything else is a bug, logged, and not described to the client.
-            known = known_failure(exc)
-            if known is None:
-                _log.exception("a streamed exec failed")
-                known = (500, "internal error")
-            log.append("error", {"detail": known[1], "status": known[0]})
+            status, detail = stream_failure(exc, "a streamed exec")
+            log.append("error", {"detail": detail, "status": status})
         finally:
             log.close()
 

@@ -21,7 +21,7 @@ from ._bodies import read_json_object
 from ._gateway import drain, first_chunk, held, unless_gone
 from ._responses import json_response
 from .auth import tenant_of
-from .errors import OPENAI, BadRequest, error_body, known_failure, openai_code, request_id_of
+from .errors import OPENAI, BadRequest, error_body, openai_code, request_id_of, stream_failure
 from .schemas import (RESPONSE_EVENTS, RESPONSES_ERRORS, ResponseDeleted, ResponseObject,
                       ResponsesRequest, request_body)
 
@@ -94,12 +94,11 @@ async def _stream(first, iterator, session, request_id) -> AsyncIterator[bytes]:
     except Exception as exc:  # noqa: BLE001 - the stream ends with OpenAI's failure events
         # Past the first event the status is sent: what a handler would have
         # answered (a quota, capacity, a container gone) travels in the events.
-        status, message = (exc.status, exc.message) if isinstance(exc, UpstreamError) else (
-            known_failure(exc) or (500, "internal error"))
-        if status == 500 and not isinstance(exc, UpstreamError):
-            log.exception("the tool loop failed mid-stream")
-        else:
+        if isinstance(exc, UpstreamError):
+            status, message = exc.status, exc.message
             log.warning("a streamed response failed: %s", message, extra={"status": status})
+        else:
+            status, message = stream_failure(exc, "a streamed response")
         for event in session.adapter.failure(message, openai_code(status)):
             yield event
 
