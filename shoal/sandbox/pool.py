@@ -66,6 +66,9 @@ class SandboxPool:
         self.settings = settings
         self._ready: list[Sandbox] = []
         self._live: set[Sandbox] = set()
+        # The same, by uid: the egress broker asks who a connecting uid is for
+        # every connection, and for every open one each second.
+        self._by_uid: dict[int, Sandbox] = {}
         self._launch_slots = asyncio.Semaphore(settings.launch_concurrency)
         # Leases waiting for a sandbox to start, and how far demand grew the pool.
         self._waiting = 0
@@ -246,6 +249,7 @@ class SandboxPool:
                 raise
             self.stats.launches += 1
             self._live.add(sandbox)
+            self._by_uid[uid] = sandbox
             return sandbox
 
     def _adopt(self, name: str, uid: int, home: SandboxHome, memory_bytes: int | None):
@@ -264,10 +268,7 @@ class SandboxPool:
 
     def sandbox_of_uid(self, uid: int) -> Sandbox | None:
         """The live sandbox running as ``uid`` (each has a uid of its own)."""
-        for sandbox in self._live:
-            if sandbox.uid == uid:
-                return sandbox
-        return None
+        return self._by_uid.get(uid)
 
     @property
     def free_uids(self) -> int:
@@ -440,6 +441,7 @@ class SandboxPool:
                 self._warming_groups.discard(cgroup)
             self.stats.launches += 1
             self._live.add(sandbox)
+            self._by_uid[uid] = sandbox
             return sandbox
 
     def discard_cgroup(self, cgroup) -> None:
@@ -496,6 +498,8 @@ class SandboxPool:
 
     async def _destroy(self, sandbox: Sandbox) -> None:
         self._live.discard(sandbox)
+        if self._by_uid.get(sandbox.uid) is sandbox:
+            del self._by_uid[sandbox.uid]
         if sandbox in self._ready:
             self._ready.remove(sandbox)
         await asyncio.to_thread(sandbox._remove)
