@@ -58,6 +58,7 @@ CLONE_NEWUSER = 0x10000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
+_PTYS = 32  # ptys one sandbox may hold (see _build_root)
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
 PR_SET_CHILD_SUBREAPER, SECCOMP_MODE_FILTER, PR_CAPBSET_DROP, PR_SET_DUMPABLE = 36, 2, 24, 4
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}[platform.machine()]
@@ -143,10 +144,12 @@ def _build_root(spec: dict, home_tree_fd: int) -> None:
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{root}/dev/{name}")
     # A private devpts instance, as bubblewrap's --dev gives: ptys work, and
-    # they are the sandbox's own.
+    # they are the sandbox's own. At most _PTYS of them: every devpts instance
+    # but the host's draws from one host-wide count (kernel.pty.max less its
+    # reserve), and one sandbox took all 3,070, leaving none for the others.
     os.makedirs(root + "/dev/pts")
     _mount("devpts", root + "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
-           "newinstance,ptmxmode=0666,mode=620")
+           f"newinstance,ptmxmode=0666,mode=620,max={_PTYS}")
     os.symlink("pts/ptmx", root + "/dev/ptmx")
     _tmpfs(root + "/dev/shm", spec["tmp_size"])
     _tmpfs(root + "/tmp", spec["tmp_size"])
@@ -211,8 +214,19 @@ def _drop_privileges(spec: dict, sync: socket.socket) -> None:
     namespace (the mounts, pids and network were made by root outside it), so
     nothing inside can ever change them, and only the sandbox's uid exists in
     it. Host root is not mapped: a file of root's is nobody's in here.
+
+    It is made by the sandbox's uid, not by root: the kernel charges what a user
+    namespace's processes hold of the per-user limits (inotify instances and
+    watches, message queue bytes, queued signals, user namespaces) to its
+    owner's count as well. Made by root, every sandbox and host root shared one
+    count, and one sandbox that took all of it stopped the others and the
+    host's own inotify users; made by the sandbox's uid, each has its own, as
+    under bubblewrap (which drops to the uid before it makes the namespace).
     """
     _limit(spec)
+    uid = spec["uid"]
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # every capability outside is gone from here on
     _check(_libc.unshare(CLONE_NEWUSER), "unshare user namespace")
     sync.send(b"u")  # the builder (root, outside) writes our uid and gid maps
     if sync.recv(1) != b"m":

@@ -12,6 +12,7 @@ never in the session's interpreter.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import json
 import os
@@ -692,6 +693,64 @@ async def test_abstract_unix_sockets_are_private_to_a_sandbox(pool, sandbox):
         await other.close()
 
 
+async def test_a_per_user_kernel_limit_used_up_in_one_sandbox_is_still_anothers(pool, sandbox):
+    """The kernel counts inotify instances (and watches, message queue bytes,
+    queued signals) per user, charging a user namespace's processes to its
+    owner too. A sandbox's namespace made by root charged every sandbox to host
+    root's one count: sandbox A taking all of it stopped B, and the host."""
+    other = await pool.lease()
+    try:
+        held = await probe(sandbox, """
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            _inotify = []
+            while len(_inotify) < 4096:
+                fd = libc.inotify_init()
+                if fd < 0:
+                    res["errno"] = ctypes.get_errno()
+                    break
+                _inotify.append(fd)
+            res["held"] = len(_inotify)
+        """)
+        assert held.get("errno") == errno.EMFILE and held["held"] > 0, held
+        res = await probe(other, """
+            import ctypes, os
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init()
+            res["errno"] = 0 if fd >= 0 else ctypes.get_errno()
+            if fd >= 0:
+                os.close(fd)
+        """)
+        assert res["errno"] == 0, f"sandbox B could not make an inotify instance: {res}"
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = libc.inotify_init()
+        assert fd >= 0, f"host root could not make an inotify instance: errno {ctypes.get_errno()}"
+        os.close(fd)
+    finally:
+        await other.close()
+
+
+async def test_a_sandbox_holds_at_most_its_share_of_ptys(pool, sandbox):
+    """Every devpts instance but the host's draws from one host-wide count: one
+    sandbox opened 3,070 ptys and no other sandbox could open one. Bubblewrap's
+    --dev takes no limit (SECURITY.md); the default launcher's devpts has one."""
+    if pool.launcher != "zygote":
+        pytest.skip("bubblewrap's devpts has no per-instance limit")
+    res = await probe(sandbox, """
+        import os
+        _ptys = []
+        try:
+            while len(_ptys) < 200:
+                _ptys.append(os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY))
+        except OSError as exc:
+            res["errno"] = exc.errno
+        res["held"] = len(_ptys)
+        for fd in _ptys:
+            os.close(fd)
+    """)
+    assert res == {"errno": errno.ENOSPC, "held": 32}, res
+
+
 # ---------------------------------------------------------------------------
 # dangerous syscalls
 # ---------------------------------------------------------------------------
@@ -843,6 +902,12 @@ async def test_keyctl_bpf_io_uring_perf_are_refused(sandbox):
         res["io_uring_setup"] = err(libc.syscall(L(425), L(4), params))
         res["perf_event_open"] = err(libc.syscall(L(298), attr, L(0), L(-1), L(-1), L(0)))
         res["userfaultfd"] = err(libc.syscall(L(323), L(0)))
+        # Linux AIO draws on a host-wide count: io_setup(65536) took all of it.
+        context = ctypes.c_ulong(0)
+        res["io_setup"] = err(libc.syscall(L(206), L(65536), ctypes.byref(context)))
+        res["io_submit"] = err(libc.syscall(L(209), L(0), L(0), L(0)))
+        # The new mount API's newest call (Linux 6.15); ENOSYS on an older kernel.
+        res["open_tree_attr"] = err(libc.syscall(L(467), L(-100), b"/", L(0), None, L(0)))
     """)
     for name, value in res.items():
         assert value == errno.EPERM, f"{name}: errno {value}"
