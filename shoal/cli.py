@@ -42,7 +42,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
     except pydantic.ValidationError as exc:
         problems = []
         for error in exc.errors():
-            name = str(error["loc"][0]) if error.get("loc") else "?"
+            if not error.get("loc"):
+                # A check of several settings together: its message names them.
+                problems.append(_plain(error))
+                continue
+            name = str(error["loc"][0])
             source = (f"--{name.replace('_', '-')}" if name in given
                       else f"SHOAL_{name.upper()}")
             shown = "(not shown)" if name in _SECRET_SETTINGS else f"{error.get('input')!s}"

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
+# The largest uid a sandbox may run as. One more is (uid_t)-1, which setresuid
+# and setpriv read as "leave this id unchanged": for a server running as root,
+# a sandbox that stays root.
+LAST_UID = 2**32 - 2
 
 
 class Settings(BaseSettings):
@@ -226,7 +230,8 @@ class Settings(BaseSettings):
     tmp_size_mib: int = Field(256, ge=1, description="Size of the sandbox's /tmp and /dev/shm.")
     disk_limit_mib: int = Field(1024, ge=16, description="Disk quota of a session's or "
                                                          "container's files (an ext4 volume).")
-    uid_base: int = Field(200000, ge=1000, description="First uid handed to sandboxes.")
+    uid_base: int = Field(200000, ge=1000, le=LAST_UID, description="First uid handed to "
+                          "sandboxes (1000 or more, so never root or a system account).")
     uid_count: int = Field(4096, ge=1, description="How many uids sandboxes may use.")
     uid_lock_dir: Path = Field(Path("/run/shoal-uids"), description="Where uid leases are "
                                "held (one lock file per uid). The same for every server on the "
@@ -252,6 +257,15 @@ class Settings(BaseSettings):
             raise ValueError(f"{exc} (entries: host, host:port, *.suffix, an IP or a CIDR)") \
                 from None
         return value
+
+    @model_validator(mode="after")
+    def _check_uid_range(self) -> "Settings":
+        last = self.uid_base + self.uid_count - 1
+        if last > LAST_UID:
+            raise ValueError(f"the sandbox uids (uid_base {self.uid_base}, uid_count "
+                             f"{self.uid_count}) run to {last}, past {LAST_UID}, the largest "
+                             "uid ((uid_t)-1 means 'unchanged' to setresuid)")
+        return self
 
     @field_validator("database_url")
     @classmethod

@@ -29,6 +29,7 @@ from . import seccomp
 from .cgroups import Cgroup
 from .channel import Channel, ChannelClosed
 from .mounts import AGENT_ROOT, RUNTIME, SandboxHome, bwrap_arguments
+from .uids import sandbox_uid
 from .zygote import Zygote, ZygoteFailed, spawn_spec
 
 BWRAP = "/usr/bin/bwrap"
@@ -108,6 +109,10 @@ def command_line(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
 
 
 async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgroup) -> SandboxProcess:
+    # Checked here, before either launcher sees it: the last place a uid that
+    # would leave the sandbox root can be stopped (UnsafeUid is no LaunchFailed,
+    # so the pool does not retry it with bubblewrap).
+    sandbox_uid(uid)
     host_end, sandbox_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     # bwrap's stderr is a pipe the host holds: bubblewrap's pid 1 keeps it open
     # for the sandbox's life, and it must not be a host file it could fill.

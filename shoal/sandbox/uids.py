@@ -5,6 +5,11 @@ namespaces could not signal, ptrace or read the files of another sandbox, and
 RLIMIT_NPROC (counted per uid) is a per-sandbox limit. Leases are lock files
 held with ``flock``, so the guarantee holds across pools and across servers
 sharing a uid range, and a crashed server's leases vanish with it.
+
+A uid is checked again where it is leased and where a launcher is about to
+use it (:func:`sandbox_uid`): the settings keep the range valid, but uid 0 or
+(uid_t)-1 (which setresuid and setpriv read as "unchanged") would leave the
+sandbox root, so neither is ever run, whatever handed it over.
 """
 
 from __future__ import annotations
@@ -13,9 +18,24 @@ import fcntl
 import os
 from pathlib import Path
 
+from shoal.config import LAST_UID
+
 
 class UidsExhausted(RuntimeError):
     """Every uid of the range is leased."""
+
+
+class UnsafeUid(RuntimeError):
+    """A uid no sandbox may run as; nothing is launched with it."""
+
+
+def sandbox_uid(uid: int) -> int:
+    """``uid``, if a sandbox may run as it; UnsafeUid (fail closed) otherwise."""
+    if not 0 < uid <= LAST_UID:
+        raise UnsafeUid(f"refusing to run a sandbox as uid {uid}: a sandbox uid is 1 to "
+                        f"{LAST_UID} (0 is root, and setresuid reads {LAST_UID + 1} as "
+                        "'unchanged', which leaves root)")
+    return uid
 
 
 class UidAllocator:
@@ -32,7 +52,7 @@ class UidAllocator:
         self._lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for step in range(self._count):
             # Round-robin: a uid released a moment ago is the last to be reused.
-            uid = self._base + (self._next + step) % self._count
+            uid = sandbox_uid(self._base + (self._next + step) % self._count)
             if uid in self._leased:
                 continue
             fd = os.open(self._lock_dir / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

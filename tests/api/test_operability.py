@@ -361,8 +361,10 @@ def _refused(tmp_path: Path, *flags: str, data_dir: Path | None = None,
              env: dict | None = None) -> subprocess.CompletedProcess:
     args = [str(SHOAL), "serve", "--data-dir", str(data_dir or tmp_path / "data"),
             "--run-dir", str(tmp_path / "run"), *flags]
+    # PYTHONPATH kept: a run from another worktree tests its own code, not the venv's.
+    kept = {name: os.environ[name] for name in ("PYTHONPATH",) if name in os.environ}
     return subprocess.run(args, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", **(env or {})})
+                          env={"PATH": "/usr/bin:/bin", **kept, **(env or {})})
 
 
 def _one_clear_line(outcome: subprocess.CompletedProcess, *words: str) -> None:
