@@ -358,8 +358,8 @@ def test_a_call_cut_by_the_grace_period_answers_with_its_output(tmp_path):
 
 # -- start-up -----------------------------------------------------------------------------------
 def _refused(tmp_path: Path, *flags: str, data_dir: Path | None = None,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    args = [str(SHOAL), "serve", "--data-dir", str(data_dir or tmp_path / "data"),
+             env: dict | None = None, command: str = "serve") -> subprocess.CompletedProcess:
+    args = [str(SHOAL), command, "--data-dir", str(data_dir or tmp_path / "data"),
             "--run-dir", str(tmp_path / "run"), *flags]
     # PYTHONPATH kept: a run from another worktree tests its own code, not the venv's.
     kept = {name: os.environ[name] for name in ("PYTHONPATH",) if name in os.environ}
@@ -385,9 +385,20 @@ def _one_clear_line(outcome: subprocess.CompletedProcess, *words: str) -> None:
     (("--pool-size", "many"), ("--pool-size=many", "integer")),
     (("--egress-allow", "pypi.internal,a b"), ("--egress-allow=", "bad host 'a b'")),
     (("--egress-allow", "10.0.0.0/33"), ("bad network",)),
+    # (uid_t)-1 is "unchanged" to setpriv and setresuid: a sandbox of that uid stays root.
+    (("--uid-base", "4294967295", "--uid-count", "1"), ("--uid-base=4294967295", "4294967294")),
+    (("--uid-base", "4294967290"), ("uid_base 4294967290, uid_count 4096", "past 4294967294")),
+    (("--uid-base", "4294967200", "--uid-count", "96"), ("run to 4294967295",)),
+    (("--uid-base", "0"), ("--uid-base=0", "1000")),
 ])
 def test_a_bad_setting_is_one_line_and_exit_2(tmp_path, flags, words):
     _one_clear_line(_refused(tmp_path, *flags), "invalid setting", *words)
+
+
+def test_shoal_check_names_a_uid_range_that_runs_past_the_last_uid(tmp_path):
+    outcome = _refused(tmp_path, "--uid-base", "4294967290", "--uid-count", "16",
+                       command="check")
+    _one_clear_line(outcome, "invalid setting", "past 4294967294")
 
 
 @pytest.mark.parametrize("url, words", [
