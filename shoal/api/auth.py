@@ -4,7 +4,8 @@ With no tokens configured the server is open (and says so at start-up). With
 tokens, every route but ``/health`` needs ``Authorization: Bearer <token>``,
 and the token decides the tenant whose sessions the caller may see. A tokens
 file that cannot be read, or holds no token, stops the server rather than
-silently opening it.
+silently opening it; so does an entry that parses more than one way, or a
+token listed twice, rather than silently giving a tenant the wrong token.
 """
 
 from __future__ import annotations
@@ -65,18 +66,32 @@ class TokenTable:
                 lines = path.read_text().splitlines()
             except OSError as exc:
                 raise TokenConfigError(f"cannot read tokens file {path}: {exc.strerror}") from None
-            pairs = [line.strip() for line in lines
+            # An entry is named by where it is, never by its text: that holds a token.
+            source = f"of {path}"
+            pairs = [(f"line {number}", line.strip()) for number, line in enumerate(lines, 1)
                      if line.strip() and not line.strip().startswith("#")]
             if not pairs:
                 raise TokenConfigError(f"tokens file {path} holds no token")
         else:
-            pairs = [pair.strip() for pair in setting.split(",") if pair.strip()]
-        tokens = {}
-        for pair in pairs:
-            token, separator, tenant = pair.partition("=")
-            if not separator or not token.strip() or not tenant.strip():
-                raise TokenConfigError("each token must be written 'token=tenant'")
-            tokens[token.strip()] = tenant.strip()
+            source = "of the tokens setting"
+            pairs = [(f"entry {number}", pair) for number, pair in enumerate(
+                (pair.strip() for pair in setting.split(",") if pair.strip()), 1)]
+        tokens: dict[str, str] = {}
+        where: dict[str, str] = {}
+        for place, pair in pairs:
+            # Exactly one "=": with two, as in "dG9rZW4=tenant" (base64 padding)
+            # or "a=b=c", no split is surely the one meant, and a wrong one would
+            # give a tenant a token its client never sends.
+            token, _, tenant = (part.strip() for part in pair.partition("="))
+            if pair.count("=") != 1 or not token or not tenant:
+                raise TokenConfigError(f"{place} {source}: each token must be written "
+                                       "'token=tenant', with one '=' (neither may hold one)")
+            if token in tokens:
+                # Else the last would win, silently: a token stands for one tenant.
+                raise TokenConfigError(f"{place} {source} repeats the token of "
+                                       f"{where[token]}; a token stands for one tenant")
+            tokens[token] = tenant
+            where[token] = place
         if set(tokens) & set(operators):
             raise TokenConfigError("a token cannot be both a tenant's and the operator's")
         return cls(tokens, operators)

@@ -316,15 +316,28 @@ def test_a_missing_tokens_file_stops_the_server(tmp_path):
 @pytest.mark.parametrize("setting,message", [
     ("@{tmp}", "cannot read tokens file"),  # a directory, not a file
     ("@{tmp}/only-comments", "holds no token"),
-    ("@{tmp}/malformed", "token=tenant"),
+    ("@{tmp}/malformed", "line 2 of {tmp}/malformed: each token must be written 'token=tenant'"),
     ("just-a-token", "token=tenant"),
-], ids=["directory", "no-token-in-file", "malformed-file", "no-tenant"])
+    # base64 padding: "dG9rZW4tYQ" for "=tenant-a", or "dG9rZW4tYQ=" for "tenant-a"?
+    ("dG9rZW4tYQ==tenant-a", "entry 1 of the tokens setting: each token must be written "
+                             "'token=tenant', with one '='"),
+    ("tok-a=tenant-a,tok-b=tenant=b", "entry 2 of the tokens setting: each token"),
+    # Which tenant abc stands for would be the last entry's, silently.
+    ("abc=tenant-a,abc=tenant-b", "entry 2 of the tokens setting repeats the token of entry 1"),
+    ("abc=tenant-a,abc=tenant-a", "repeats the token"),
+    ("@{tmp}/repeated", "line 3 of {tmp}/repeated repeats the token of line 1"),
+], ids=["directory", "no-token-in-file", "malformed-file", "no-tenant", "base64-padding",
+        "two-separators", "repeated-token", "repeated-entry", "repeated-in-file"])
 def test_an_unusable_token_setting_fails_closed(tmp_path, setting, message):
     (tmp_path / "only-comments").write_text("# nobody\n\n   \n# tok=tenant\n")
     (tmp_path / "malformed").write_text("good=tenant\nno-separator-here\n")
+    (tmp_path / "repeated").write_text("abc=tenant-a\n\nabc=tenant-b\n")
     with pytest.raises(RuntimeError) as refused:
         start_server(tmp_path, _NEVER_STARTED_UID_BASE, tokens=setting.format(tmp=tmp_path))
-    assert message in str(refused.value)
+    assert "exited with 2" in str(refused.value)
+    assert message.format(tmp=tmp_path) in str(refused.value)
+    for token in ("abc", "dG9rZW4tYQ", "no-separator-here"):  # the error never shows a token
+        assert token not in str(refused.value)
 
 
 # -- an open server -----------------------------------------------------------------------------
