@@ -246,9 +246,12 @@ class Settings(BaseSettings):
     def _lower(cls, value: object) -> object:
         return value.strip().lower() if isinstance(value, str) else value
 
-    @field_validator("egress_allow")
+    # The callback hosts are the same kind of entries, matched by the same code
+    # (shoal.runs.broker.check_callback_url): one that cannot be understood is
+    # an error at start, not on every run that names a callback.
+    @field_validator("egress_allow", "callback_allow")
     @classmethod
-    def _check_egress_allow(cls, value: str) -> str:
+    def _check_allowlist(cls, value: str) -> str:
         from .egress.policy import Allowlist, PolicyError
 
         try:

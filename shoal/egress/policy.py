@@ -52,17 +52,23 @@ class _Entry:
             return False
 
 
+def _port(port: str, entry: str) -> int:
+    # Checked here, for brackets or none: a port no connection can have would
+    # make an entry that never matches, and the operator would not know.
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise PolicyError(f"bad port in {entry!r}")
+    return int(port)
+
+
 def _split_port(entry: str) -> tuple[str, int | None]:
     if entry.startswith("["):
         host, _, rest = entry[1:].partition("]")
-        if rest and not (rest.startswith(":") and rest[1:].isdigit()):
+        if rest and not rest.startswith(":"):
             raise PolicyError(f"bad entry {entry!r}")
-        return host, int(rest[1:]) if rest else None
+        return host, _port(rest[1:], entry) if rest else None
     if entry.count(":") == 1:
         host, _, port = entry.partition(":")
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            raise PolicyError(f"bad port in {entry!r}")
-        return host, int(port)
+        return host, _port(port, entry)
     return entry, None
 
 

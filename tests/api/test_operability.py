@@ -359,8 +359,10 @@ def test_a_call_cut_by_the_grace_period_answers_with_its_output(tmp_path):
 # -- start-up -----------------------------------------------------------------------------------
 def _refused(tmp_path: Path, *flags: str, data_dir: Path | None = None,
              env: dict | None = None, command: str = "serve") -> subprocess.CompletedProcess:
+    # Should a check regress and the server start, its sandboxes take uids of this
+    # run's slot (below tests/api/conftest.py's ranges), never another suite's.
     args = [str(SHOAL), command, "--data-dir", str(data_dir or tmp_path / "data"),
-            "--run-dir", str(tmp_path / "run"), *flags]
+            "--run-dir", str(tmp_path / "run"), "--uid-base", str(uid(591_000)), *flags]
     # PYTHONPATH kept: a run from another worktree tests its own code, not the venv's.
     kept = {name: os.environ[name] for name in ("PYTHONPATH",) if name in os.environ}
     return subprocess.run(args, capture_output=True, text=True, timeout=120,
@@ -385,6 +387,12 @@ def _one_clear_line(outcome: subprocess.CompletedProcess, *words: str) -> None:
     (("--pool-size", "many"), ("--pool-size=many", "integer")),
     (("--egress-allow", "pypi.internal,a b"), ("--egress-allow=", "bad host 'a b'")),
     (("--egress-allow", "10.0.0.0/33"), ("bad network",)),
+    # An IPv6 literal's port is checked as any other: this entry could never match.
+    (("--egress-allow", "[::1]:99999"), ("--egress-allow=[::1]:99999", "bad port")),
+    (("--egress-allow", "[fd00::1]:0"), ("bad port",)),
+    # Callback hosts are the same kind of entries as the egress allowlist's.
+    (("--callback-allow", "bad/host"), ("--callback-allow=bad/host", "bad network")),
+    (("--callback-allow", "hooks.example,[::1]:70000"), ("bad port in '[::1]:70000'",)),
     # (uid_t)-1 is "unchanged" to setpriv and setresuid: a sandbox of that uid stays root.
     (("--uid-base", "4294967295", "--uid-count", "1"), ("--uid-base=4294967295", "4294967294")),
     (("--uid-base", "4294967290"), ("uid_base 4294967290, uid_count 4096", "past 4294967294")),
