@@ -103,6 +103,7 @@ def _check(args: argparse.Namespace) -> int:
         print("Shoal cannot run here:\n  - " + "\n  - ".join(found), file=sys.stderr)
         return 1
     print("isolation: bubblewrap, seccomp, cgroups and the runtime are all available")
+    print(_open_files_line(settings))
     if settings.launcher == "bwrap":
         print("launcher: bwrap (chosen by the setting)")
         return 0
@@ -119,6 +120,25 @@ def _check(args: argparse.Namespace) -> int:
         print("cgroups: favordynmods is not set: each sandbox's cgroup join waits for an RCU "
               "grace period (--cgroup-favor-dynmods sets it)")
     return 0
+
+
+def _open_files_line(settings) -> str:
+    """Whether the host's open-file table outlasts every sandbox's share of it: the
+    table is host-wide (fs.file-max) and what a sandbox may hold (its processes
+    times their RLIMIT_NOFILE) is bounded by its memory, not by the table."""
+    from .sandbox.launcher import LaunchConfig
+
+    per_sandbox = settings.pids_limit * LaunchConfig.max_open_files
+    try:
+        table = int(open("/proc/sys/fs/file-max").read())
+    except (OSError, ValueError):
+        return "open files: fs.file-max is unreadable here"
+    wanted = per_sandbox * settings.max_sessions
+    if table >= wanted:
+        return f"open files: fs.file-max {table} holds every sandbox's {per_sandbox} at once"
+    return (f"open files: fs.file-max {table} is less than {settings.max_sessions} sandboxes "
+            f"may hold ({per_sandbox} each): a few could leave the host none; raise it "
+            f"(sysctl -w fs.file-max={wanted}: open files are charged to each sandbox's memory)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -409,6 +409,24 @@ def test_shoal_check_names_a_uid_range_that_runs_past_the_last_uid(tmp_path):
     _one_clear_line(outcome, "invalid setting", "past 4294967294")
 
 
+@pytest.mark.parametrize("max_sessions", ["1", "100000"])
+def test_shoal_check_says_whether_the_hosts_open_file_table_outlasts_the_sandboxes(
+        tmp_path, max_sessions):
+    """The open-file table is host-wide and a sandbox may hold its processes times
+    their RLIMIT_NOFILE: check says, from this host's fs.file-max, whether the
+    sandboxes it allows could leave the host none, and how to raise it."""
+    table = int(Path("/proc/sys/fs/file-max").read_text())
+    outcome = _refused(tmp_path, "--max-sessions", max_sessions, "--pids-limit", "256",
+                       command="check")
+    assert outcome.returncode == 0, outcome.stderr
+    (line,) = [line for line in outcome.stdout.splitlines() if line.startswith("open files:")]
+    wanted = int(max_sessions) * 256 * 4096
+    if table >= wanted:
+        assert f"fs.file-max {table} holds every sandbox's {256 * 4096} at once" in line, line
+    else:
+        assert f"sysctl -w fs.file-max={wanted}" in line, line
+
+
 @pytest.mark.parametrize("url, words", [
     ("mysql://shoal:hunter2@127.0.0.1/db", ("--database-url=(not shown)", "postgresql://")),
     ("@/nonexistent/database-url", ("cannot read /nonexistent/database-url",)),
