@@ -23,11 +23,12 @@ BWRAP_SUITES := tests/sandbox/test_isolation.py tests/sandbox/test_limits.py \
 EGRESS_SUITES := tests/sandbox/test_isolation.py tests/sandbox/test_hardening.py \
                  tests/security/test_escape.py
 
+# The main pass names its 15 slowest tests: make test is kept under 20 minutes.
 test: runtime $(TEST_SYSTEM)
 	SHOAL_LAUNCHER=bwrap bash scripts/run-tests.sh -q -m "not slow" $(BWRAP_SUITES)
 	SHOAL_TEST_EGRESS=1 bash scripts/run-tests.sh -q -m "not slow" $(EGRESS_SUITES)
 	SHOAL_TEST_EGRESS=1 SHOAL_LAUNCHER=bwrap bash scripts/run-tests.sh -q -m "not slow" $(EGRESS_SUITES)
-	bash scripts/run-tests.sh -m "not slow and not cluster"
+	bash scripts/run-tests.sh --durations=15 -m "not slow and not cluster"
 
 test-slow: runtime
 	bash scripts/run-tests.sh --allow-empty -m slow
