@@ -11,11 +11,11 @@ gets the same walls, built in this order before any untrusted code runs:
     init   forked by the builder into a new pid namespace, whose pid 1 it is:
            joins the sandbox's cgroups, unshares mount/net/ipc/uts/cgroup
            namespaces, builds private mounts on a fresh tmpfs root (the same
-           manifest as bwrap's), pivot_root, hostname, rlimits, then a user
-           namespace of its own (the builder, root outside, maps the sandbox's
-           uid in it), drops to that uid with no groups and no capabilities,
-           no_new_privs, the seccomp filter; then reaps orphans for as long as
-           the agent lives
+           manifest as bwrap's), pivot_root, hostname, rlimits, drops to the
+           sandbox's uid with no groups, then makes a user namespace of its own
+           (owned by that uid; the builder, root outside, maps the uid in it),
+           drops every capability it has there, no_new_privs, the seccomp
+           filter; then reaps orphans for as long as the agent lives
     agent  forked by the zygote into init's namespaces (pid, then cgroups, net,
            ipc, uts, mount and, last, the user namespace), it drops to exactly
            what init dropped to, then serves the channel it was handed
@@ -188,12 +188,15 @@ def _confine(spec: dict) -> None:
     # A new user namespace starts with a full bounding set: empty it here, as
     # bubblewrap does (we still hold CAP_SETPCAP in the namespace).
     for capability in range(64):
-        if _libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0 and ctypes.get_errno() == 22:
-            break  # EINVAL: past the last capability this kernel knows
+        if _libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+            if ctypes.get_errno() == 22:
+                break  # EINVAL: past the last capability this kernel knows
+            _check(-1, "drop the bounding set")  # anything else: the walls are not up
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
-    # Root outside is not root in here, so setresuid kept the namespace's
-    # capabilities: drop them all explicitly.
+    # The uid was never root in this namespace (the init made it as that uid; the
+    # agent joined it as host root, unmapped here), so setresuid kept the
+    # namespace's capabilities: drop them all explicitly.
     _clear_capabilities()
     # Changing credentials made us non-dumpable, which hides /proc/self from the
     # code we run; inside one sandbox there is nothing to hide from itself.

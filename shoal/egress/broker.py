@@ -193,21 +193,30 @@ class EgressBroker:
 
     @property
     def open_connections(self) -> int:
-        return sum(len(owned.tasks) for owned in self._open.values())
+        # Read from /metrics' worker thread while the loop changes the dict: a
+        # snapshot first (one C call), as traffic_of does.
+        return sum(len(owned.tasks) for owned in list(self._open.values()))
 
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(_SWEEP_SECONDS)
-            self._sweep()
+            try:
+                self._sweep()
+            except Exception:  # noqa: BLE001 - one bad round must not end the sweeping
+                log.exception("sweeping the egress connections of ended sandboxes failed")
 
     def _sweep(self) -> None:
         """Close the connections of leases that ended (their sandbox stopped, or its
-        uid serves another sandbox now)."""
+        uid serves another sandbox now), and forget the leases: a lease's entry
+        (and its rate) lasts as long as its sandbox, not its connections, so a
+        sandbox that reconnects does not get a fresh second's burst each time."""
         for owner, owned in list(self._open.items()):
             lease = self._lease_of(owned.uid)
             if lease is not None and lease[0] is owner:
                 continue
-            log.info("closing %d egress connections of a sandbox that ended", len(owned.tasks))
+            if owned.tasks:
+                log.info("closing %d egress connections of a sandbox that ended",
+                         len(owned.tasks))
             for task in owned.tasks:
                 task.cancel()
             del self._open[owner]
@@ -229,8 +238,11 @@ class EgressBroker:
             owned = self._open[owner] = _Owned(uid, _Rate(self._bytes_per_second))
         if len(owned.tasks) >= self._max_connections:
             traffic.refused += 1
-            await _answer(writer, 429, f"at most {self._max_connections} connections at once")
-            self._tasks.discard(task)
+            try:
+                await _answer(writer, 429, f"at most {self._max_connections} connections at once")
+            finally:
+                writer.close()
+                self._tasks.discard(task)
             return
         owned.tasks.add(task)
         traffic.connections += 1
@@ -246,9 +258,7 @@ class EgressBroker:
         except asyncio.CancelledError:
             pass  # its sandbox ended, or the broker is closing
         finally:
-            owned.tasks.discard(task)
-            if not owned.tasks and self._open.get(owner) is owned:
-                del self._open[owner]
+            owned.tasks.discard(task)  # the entry itself stays until the lease ends (_sweep)
             writer.close()
             self._tasks.discard(task)
 
@@ -273,7 +283,10 @@ class EgressBroker:
             await writer.drain()
             await _splice(reader, writer, *upstream, traffic, rate)
             return
-        parts = urlsplit(target)
+        try:
+            parts = urlsplit(target)
+        except ValueError:  # an unclosed or bad IPv6 literal
+            raise _Refused(400, f"bad URL {target[:200]!r}") from None
         if parts.scheme != "http" or not parts.hostname:
             raise _Refused(400, "the proxy takes CONNECT, or absolute http:// URLs")
         try:
@@ -395,9 +408,10 @@ def _host_port(target: str, default: int | None) -> tuple[str, int]:
         port_text = rest[1:] if rest.startswith(":") else ""
     else:
         host, _, port_text = target.rpartition(":") if ":" in target else (target, "", "")
-    if not port_text.isdigit() and default is None:
+    digits = port_text.isascii() and port_text.isdigit()  # not '²', which isdigit() takes
+    if not digits and default is None:
         raise _Refused(400, "CONNECT needs host:port")
-    port = int(port_text) if port_text.isdigit() else default
+    port = int(port_text) if digits else default
     if not host or not 0 < port < 65536:
         raise _Refused(400, f"bad destination {target!r}")
     return host.lower().rstrip("."), port

@@ -269,17 +269,26 @@ class ContainerManager:
     async def touch(self, record: ContainerRecord) -> ContainerRecord:
         key = (record.tenant, record.id)
         now = time.time()
-        current = self._records.get(key, record).touched(now)
-        self._records[key] = current
-        if now - self._touch_written.get(key, 0.0) >= _TOUCH_WRITE_SECONDS:
-            self._touch_written[key] = now
+        known = self._records.get(key)
+        # What is known here of this generation only: a lookup may have moved the
+        # cache on to a container made anew under the id, which a session of the
+        # old one must not keep alive.
+        this_generation = known is None or known.created_at == record.created_at
+        current = (known if known is not None and this_generation else record).touched(now)
+        if this_generation:
+            self._records[key] = current
+        if not this_generation or now - self._touch_written.get(key, 0.0) >= _TOUCH_WRITE_SECONDS:
+            if this_generation:
+                self._touch_written[key] = now
             if not await self.metadata.touch_container(current):
                 # Retired or made anew by another front end meanwhile: what is
-                # cached here is stale, and the store is not overwritten with it.
-                # Its sandbox here, and the sessions on it, end as at a retirement
-                # here (a call that just finished keeps its answer).
-                self._records.pop(key, None)
-                self._touch_written.pop(key, None)
+                # cached here of it is stale, and the store is not overwritten
+                # with it. Its sandbox here, and the sessions on it, end as at a
+                # retirement here (a call that just finished keeps its answer).
+                cached = self._records.get(key)
+                if cached is not None and cached.created_at == current.created_at:
+                    self._records.pop(key, None)
+                    self._touch_written.pop(key, None)
                 live = self._live.get(key)
                 if live is not None and live.created_at == current.created_at:
                     self.on_retire(record.tenant, record.id)
@@ -448,6 +457,10 @@ class ContainerManager:
                      or elsewhere)
         self._started_here.add(key)
         await self.touch(record)
+        if sandbox.closed:
+            # The store refused the touch: deleted or made anew elsewhere while
+            # this sandbox started, and touch() stopped it.
+            raise UnknownContainer(f"no container {record.id!r}")
         return sandbox, restarted
 
     def usage(self) -> tuple[int, int]:

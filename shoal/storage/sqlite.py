@@ -99,9 +99,13 @@ _MIGRATIONS = (
         PRIMARY KEY (tenant, id)
     );
     """,
-    # 5: each stored response's size, for its tenant's quota (older ones count 0).
+    # 5: each stored response's size, for its tenant's quota (older ones count 0),
+    # and an index that sums a tenant's sizes without reading the rows: the
+    # column comes after the large texts, and SQLite reads a row's overflow
+    # pages to reach it (3 s for 1.2 GiB stored).
     """
     ALTER TABLE responses ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+    CREATE INDEX IF NOT EXISTS responses_bytes ON responses (tenant, bytes);
     """,
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
