@@ -7,7 +7,7 @@ namespaces (mount, pid, net, ipc, uts, user) with a minimal filesystem.
 Namespaces limit what the code can *see*; they do not shrink the kernel's
 attack surface. Many historical container escapes and local privilege
 escalations go through syscalls that a code-execution sandbox never needs:
-creating nested user namespaces, io_uring, Linux AIO, bpf, perf events, the keyring,
+creating nested user namespaces, io_uring, bpf, perf events, the keyring,
 ptrace, the new mount API, and so on. This module adds a seccomp filter on
 top of the namespaces that refuses those syscalls outright.
 
@@ -27,6 +27,8 @@ Policy (default ALLOW; a deny-list):
   whose syscall numbers differ and would slip past the table below. The x32
   ABI (same audit arch, ``nr | 0x40000000``) fails with ``ENOSYS``.
 * Everything in :data:`DENIED_SYSCALLS` fails with ``EPERM``.
+* Everything in :data:`ABSENT_SYSCALLS` fails with ``ENOSYS``, as on a kernel
+  built without it: software that can do without it (Linux AIO) falls back.
 * ``clone3`` fails with ``ENOSYS``: its flags live in a struct in user memory
   that seccomp cannot read, so libc is made to fall back to ``clone``.
 * ``clone`` with any namespace flag fails with ``EPERM``; plain
@@ -55,6 +57,7 @@ import struct
 
 __all__ = [
     "CONDITIONAL_SYSCALLS",
+    "ABSENT_SYSCALLS",
     "DENIED_SYSCALLS",
     "UnsupportedArchitecture",
     "build_filter",
@@ -180,15 +183,6 @@ DENIED_SYSCALLS: tuple[str, ...] = (
     "io_uring_register",
     "perf_event_open",
     "userfaultfd",
-    # Linux AIO: its contexts come from one host-wide count (fs.aio-max-nr), and
-    # one sandbox's io_setup(65536) left none for anyone, host root included.
-    # (POSIX aio_* in glibc is threads, not this.)
-    "io_setup",
-    "io_destroy",
-    "io_submit",
-    "io_cancel",
-    "io_getevents",
-    "io_pgetevents",
     # kernel / module / machine administration
     "kexec_load",
     "kexec_file_load",
@@ -211,6 +205,19 @@ DENIED_SYSCALLS: tuple[str, ...] = (
     "clock_settime",
     "adjtimex",
     "clock_adjtime",
+)
+
+#: Syscalls refused with ENOSYS, as if this kernel had none: Linux AIO, whose
+#: contexts come from one host-wide count (fs.aio-max-nr): one sandbox's
+#: io_setup(65536) left none for anyone, host root included. Its users (libaio,
+#: databases) fall back to threads on ENOSYS; POSIX aio_* in glibc is threads.
+ABSENT_SYSCALLS: tuple[str, ...] = (
+    "io_setup",
+    "io_destroy",
+    "io_submit",
+    "io_cancel",
+    "io_getevents",
+    "io_pgetevents",
 )
 
 #: Syscalls whose verdict depends on arguments or that fail with ENOSYS;
@@ -447,6 +454,8 @@ def _program(arch: _Arch, inet: bool = False) -> list[_Insn]:
     for name in DENIED_SYSCALLS:
         if name in nrs:
             prog += _if_nr(nrs[name], [_ret(_errno(_EPERM))])
+    for name in ABSENT_SYSCALLS:
+        prog += _if_nr(nrs[name], [_ret(_errno(_ENOSYS))])
 
     # 4. clone3 passes its flags in a user-memory struct seccomp cannot read:
     #    ENOSYS makes glibc fall back to clone, whose flags we can check.

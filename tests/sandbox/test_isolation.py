@@ -902,15 +902,24 @@ async def test_keyctl_bpf_io_uring_perf_are_refused(sandbox):
         res["io_uring_setup"] = err(libc.syscall(L(425), L(4), params))
         res["perf_event_open"] = err(libc.syscall(L(298), attr, L(0), L(-1), L(-1), L(0)))
         res["userfaultfd"] = err(libc.syscall(L(323), L(0)))
-        # Linux AIO draws on a host-wide count: io_setup(65536) took all of it.
-        context = ctypes.c_ulong(0)
-        res["io_setup"] = err(libc.syscall(L(206), L(65536), ctypes.byref(context)))
-        res["io_submit"] = err(libc.syscall(L(209), L(0), L(0), L(0)))
-        # The new mount API's newest call (Linux 6.15); ENOSYS on an older kernel.
+        # The new mount API's newest call (Linux 6.15): refused on any kernel.
         res["open_tree_attr"] = err(libc.syscall(L(467), L(-100), b"/", L(0), None, L(0)))
     """)
     for name, value in res.items():
         assert value == errno.EPERM, f"{name}: errno {value}"
+
+
+async def test_linux_aio_is_absent(sandbox):
+    # Linux AIO draws on a host-wide count: one io_setup(65536) took all of it.
+    # ENOSYS, as on a kernel without it, so that its users fall back to threads.
+    res = await probe_child(sandbox, """
+        context = ctypes.c_ulong(0)
+        res["io_setup"] = err(libc.syscall(L(206), L(65536), ctypes.byref(context)))
+        res["io_submit"] = err(libc.syscall(L(209), L(0), L(0), L(0)))
+        res["io_getevents"] = err(libc.syscall(L(208), L(0), L(0), L(0), None, None))
+    """)
+    assert res == {"io_setup": errno.ENOSYS, "io_submit": errno.ENOSYS,
+                   "io_getevents": errno.ENOSYS}, res
 
 
 # ---------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import pytest
 
 from shoal.sandbox import seccomp
 from shoal.sandbox.seccomp import (
+    ABSENT_SYSCALLS,
     DENIED_SYSCALLS,
     UnsupportedArchitecture,
     build_filter,
@@ -170,7 +171,7 @@ def test_x86_64_numbers_match_kernel_headers() -> None:
     want = _header_numbers(hdr, r"#define __NR_(\w+)\s+(\d+)")
     table = seccomp._X86_64_SYSCALLS
     _check_table("x86_64", table, want)
-    for name in DENIED_SYSCALLS:
+    for name in DENIED_SYSCALLS + ABSENT_SYSCALLS:
         assert name in table, f"x86_64 table lacks {name}"
     for name, nr in PROBE_NR["x86_64"].items():
         assert want[name] == nr
@@ -184,7 +185,7 @@ def test_aarch64_numbers_match_kernel_headers() -> None:
     table = seccomp._AARCH64_SYSCALLS
     _check_table("aarch64", table, want)
     # Everything in the policy that exists in the generic table is covered.
-    for name in DENIED_SYSCALLS:
+    for name in DENIED_SYSCALLS + ABSENT_SYSCALLS:
         if name in want or name in NEWER_THAN_SOME_HEADERS:
             assert name in table, f"aarch64 table lacks {name}"
         else:
@@ -236,6 +237,8 @@ def test_policy_in_bpf_interpreter(machine: str, audit: int) -> None:
     for name in DENIED_SYSCALLS:
         if name in table:
             assert run(name) == _err(EPERM), name
+    for name in ABSENT_SYSCALLS:
+        assert run(name) == _err(ENOSYS), name
     assert run("clone3") == _err(ENOSYS)
     assert run("clone", SIGCHLD) == ALLOW
     assert run("clone", 0x3D0F00) == ALLOW  # pthread_create flags
