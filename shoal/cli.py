@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import pydantic
 
@@ -130,7 +131,7 @@ def _open_files_line(settings) -> str:
 
     per_sandbox = settings.pids_limit * LaunchConfig.max_open_files
     try:
-        table = int(open("/proc/sys/fs/file-max").read())
+        table = int(Path("/proc/sys/fs/file-max").read_text())
     except (OSError, ValueError):
         return "open files: fs.file-max is unreadable here"
     wanted = per_sandbox * settings.max_sessions

@@ -30,10 +30,11 @@ one.
 Everything is asyncio on the API's event loop. Names are resolved in the
 loop's executor. Each sandbox has a cap on connections and on bytes per second
 (one sandbox's download must not take the loop every other tenant's requests
-run on), counted per lease (the sandbox object, not its uid: uids are reused). A connection lives no longer
-than the sandbox that opened it: once a second its owners are checked, and the
-connections of one that ended are closed, so a dead sandbox's hung transfers
-neither hold the host's sockets nor count against whoever gets its uid next.
+run on), counted per lease (the sandbox object, not its uid: uids are reused).
+A connection lives no longer than the sandbox that opened it: once a second
+the leases are checked, and the connections of one that ended are closed, so a
+dead sandbox's hung transfers neither hold the host's sockets nor count
+against whoever gets its uid next.
 The bytes and connections of each container are counted for ``/metrics``.
 """
 

@@ -65,10 +65,10 @@ class SandboxPool:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._ready: list[Sandbox] = []
-        self._live: set[Sandbox] = set()
-        # The same, by uid: the egress broker asks who a connecting uid is for
-        # every connection, and for every open one each second.
-        self._by_uid: dict[int, Sandbox] = {}
+        # Every live sandbox, by its uid (each has its own): the egress broker asks
+        # who a connecting uid is for every connection, and for every open one
+        # each second.
+        self._live: dict[int, Sandbox] = {}
         self._launch_slots = asyncio.Semaphore(settings.launch_concurrency)
         # Leases waiting for a sandbox to start, and how far demand grew the pool.
         self._waiting = 0
@@ -180,7 +180,7 @@ class SandboxPool:
         for task in list(self._warming):
             task.cancel()
         await asyncio.gather(*self._warming, return_exceptions=True)
-        await asyncio.gather(*(sandbox.close() for sandbox in list(self._live)),
+        await asyncio.gather(*(sandbox.close() for sandbox in self.live_sandboxes()),
                              return_exceptions=True)
         if self._zygote is not None:
             self._zygote.close()
@@ -248,8 +248,7 @@ class SandboxPool:
                 self._launch_failed(exc, name)
                 raise
             self.stats.launches += 1
-            self._live.add(sandbox)
-            self._by_uid[uid] = sandbox
+            self._live[uid] = sandbox
             return sandbox
 
     def _adopt(self, name: str, uid: int, home: SandboxHome, memory_bytes: int | None):
@@ -264,11 +263,11 @@ class SandboxPool:
         return len(self._ready)
 
     def live_sandboxes(self) -> list[Sandbox]:
-        return list(self._live)
+        return list(self._live.values())
 
     def sandbox_of_uid(self, uid: int) -> Sandbox | None:
         """The live sandbox running as ``uid`` (each has a uid of its own)."""
-        return self._by_uid.get(uid)
+        return self._live.get(uid)
 
     @property
     def free_uids(self) -> int:
@@ -297,7 +296,7 @@ class SandboxPool:
         """What the pool created and still exists; all empty when idle and closed."""
         directories = sorted(self._sandboxes_dir.iterdir()) if self._sandboxes_dir.exists() else []
         return {
-            "sandboxes": [s.name for s in self._live],
+            "sandboxes": [s.name for s in self._live.values()],
             "uids": sorted(self._uids.leased),
             "cgroups": self._cgroups.leftovers(self._prefix + "-") if self._cgroups else [],
             "directories": directories,
@@ -356,7 +355,7 @@ class SandboxPool:
     async def cut_all(self, reason: str) -> int:
         """Stop every call running in any sandbox (the server is going away);
         each returns what it produced, ending with ``reason``. How many were cut."""
-        cut = await asyncio.gather(*(sandbox.cancel(reason) for sandbox in list(self._live)),
+        cut = await asyncio.gather(*(sandbox.cancel(reason) for sandbox in self.live_sandboxes()),
                                    return_exceptions=True)
         return sum(1 for outcome in cut if outcome is True)
 
@@ -440,8 +439,7 @@ class SandboxPool:
             finally:
                 self._warming_groups.discard(cgroup)
             self.stats.launches += 1
-            self._live.add(sandbox)
-            self._by_uid[uid] = sandbox
+            self._live[uid] = sandbox
             return sandbox
 
     def discard_cgroup(self, cgroup) -> None:
@@ -497,9 +495,8 @@ class SandboxPool:
         return process
 
     async def _destroy(self, sandbox: Sandbox) -> None:
-        self._live.discard(sandbox)
-        if self._by_uid.get(sandbox.uid) is sandbox:
-            del self._by_uid[sandbox.uid]
+        if self._live.get(sandbox.uid) is sandbox:
+            del self._live[sandbox.uid]
         if sandbox in self._ready:
             self._ready.remove(sandbox)
         await asyncio.to_thread(sandbox._remove)

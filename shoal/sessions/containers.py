@@ -222,12 +222,7 @@ class ContainerManager:
         log.warning("container %s was moved to another host: this host's copy is dropped",
                     key[1])
         self._held.discard(key)
-        # Its sessions here end with the sandbox, as at a retirement: their next
-        # request is a 404, not a call into a stopped sandbox.
-        self.on_retire(*key)
-        live = self._live.pop(key, None)
-        if live is not None:
-            await live.sandbox.close()
+        await self._stop_here(key)
         await asyncio.to_thread(self.files.drop_local, *key)
         return False
 
@@ -291,10 +286,19 @@ class ContainerManager:
                     self._touch_written.pop(key, None)
                 live = self._live.get(key)
                 if live is not None and live.created_at == current.created_at:
-                    self.on_retire(record.tenant, record.id)
-                    del self._live[key]
-                    await live.sandbox.close()
+                    await self._stop_here(key)
         return current
+
+    async def _stop_here(self, key: tuple[str, str]) -> None:
+        """End the container's sessions on this front end, then stop its sandbox
+        here: as it is retired, or found retired, made anew or moved elsewhere.
+        Its sessions go first, so that a call cut off by the stop finds its
+        session gone, and every later request answers 404, never a call into a
+        stopped sandbox."""
+        self.on_retire(*key)
+        live = self._live.pop(key, None)
+        if live is not None:
+            await live.sandbox.close()
 
     async def delete(self, tenant: str, container_id: str) -> None:
         record = await self.get(tenant, container_id)
@@ -327,12 +331,7 @@ class ContainerManager:
                 await self._idle.setdefault(key, asyncio.Event()).wait()
             if status == "expired" and self._in_use_since(record):
                 return
-            # Its sessions end before its sandbox stops, so a call cut off by the
-            # stop finds its session gone, and every later request answers 404.
-            self.on_retire(record.tenant, record.id)
-            live = self._live.pop(key, None)
-            if live is not None:
-                await live.sandbox.close()
+            await self._stop_here(key)
             self._records.pop(key, None)
             self._touch_written.pop(key, None)
             # This container, by its creation time: never one made anew under its id.
@@ -435,9 +434,7 @@ class ContainerManager:
                 # front end: the old one's sandbox and files here are not its, and
                 # the sessions on them (all of the old generation: a session of
                 # the new one would have come through here first) end with them.
-                self.on_retire(record.tenant, record.id)
-                del self._live[key]
-                await live.sandbox.close()
+                await self._stop_here(key)
                 await asyncio.to_thread(self.files.drop_local, record.tenant, record.id)
             # Up to date first: a container another host worked on since is
             # restored from its snapshot (cluster mode).

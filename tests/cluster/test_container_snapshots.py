@@ -12,6 +12,7 @@ served as the new one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -57,6 +58,23 @@ def _move(postgres_url: str, container: str, host: str) -> None:
         finally:
             await db.close()
     asyncio.run(move())
+
+
+@contextlib.contextmanager
+def _two_front_ends(tmp_path, uid_bases: tuple[int, int], postgres_url, seaweedfs):
+    """Clients of front ends "a" and "b" on one database and a new bucket of their
+    own; both front ends stopped after."""
+    bucket = seaweedfs.new_bucket()
+    first = _front_end(tmp_path, "a", uid_bases[0], postgres_url, seaweedfs, bucket)
+    try:
+        second = _front_end(tmp_path, "b", uid_bases[1], postgres_url, seaweedfs, bucket)
+        try:
+            with first.client() as one, second.client() as two:
+                yield one, two
+        finally:
+            second.stop()
+    finally:
+        first.stop()
 
 
 def _exec(http, session_id: str, code: str) -> dict:
@@ -126,27 +144,20 @@ def test_a_container_survives_kill_9_of_its_front_end_and_comes_back_on_another(
 
 def test_a_deleted_container_made_anew_elsewhere_is_not_served_from_a_stale_copy(
         postgres_url, seaweedfs, tmp_path):
-    bucket = seaweedfs.new_bucket()
-    first = _front_end(tmp_path, "a", 967_000, postgres_url, seaweedfs, bucket)
-    second = _front_end(tmp_path, "b", 968_000, postgres_url, seaweedfs, bucket)
-    try:
-        with first.client() as one, second.client() as two:
-            # Zylon's threads name their container: used, it exists.
-            put = one.put("/api/v1/app/thread/t-1/put-file/old.txt", content=b"old")
-            assert put.status_code == 201, put.text
-            assert two.delete("/v1/containers/t-1").status_code in (200, 204)
-            put = two.put("/api/v1/app/thread/t-1/put-file/new.txt", content=b"new")
-            assert put.status_code == 201, put.text
-            # The first front end still has the old container's volume; it must
-            # restore the new one's snapshot, not serve what it has.
-            listed = one.get("/v1/containers/t-1/files").json()["data"]
-            assert [Path(item["path"]).name for item in listed] == ["new.txt"], listed
-            session = one.post("/sessions", json={"container": "t-1"}).json()["session_id"]
-            seen = _exec(one, session, "import os; print(sorted(os.listdir('/mnt/user-data/uploads')))")
-            assert seen["result_block"]["content"]["stdout"] == "['new.txt']\n", seen
-    finally:
-        first.stop()
-        second.stop()
+    with _two_front_ends(tmp_path, (967_000, 968_000), postgres_url, seaweedfs) as (one, two):
+        # Zylon's threads name their container: used, it exists.
+        put = one.put("/api/v1/app/thread/t-1/put-file/old.txt", content=b"old")
+        assert put.status_code == 201, put.text
+        assert two.delete("/v1/containers/t-1").status_code in (200, 204)
+        put = two.put("/api/v1/app/thread/t-1/put-file/new.txt", content=b"new")
+        assert put.status_code == 201, put.text
+        # The first front end still has the old container's volume; it must
+        # restore the new one's snapshot, not serve what it has.
+        listed = one.get("/v1/containers/t-1/files").json()["data"]
+        assert [Path(item["path"]).name for item in listed] == ["new.txt"], listed
+        session = one.post("/sessions", json={"container": "t-1"}).json()["session_id"]
+        seen = _exec(one, session, "import os; print(sorted(os.listdir('/mnt/user-data/uploads')))")
+        assert seen["result_block"]["content"]["stdout"] == "['new.txt']\n", seen
 
 
 def _tree(root: Path) -> dict[str, tuple]:
@@ -357,29 +368,22 @@ def test_sessions_on_a_container_made_anew_elsewhere_end_with_its_old_sandbox(
     anew. The next use of t-3 on A stops the old generation's sandbox there: the
     session on it ends with it (404, its slot free), never left answering with a
     stopped sandbox."""
-    bucket = seaweedfs.new_bucket()
-    first = _front_end(tmp_path, "a", 970_000, postgres_url, seaweedfs, bucket)
-    second = _front_end(tmp_path, "b", 970_500, postgres_url, seaweedfs, bucket)
-    try:
-        with first.client() as one, second.client() as two:
-            old = one.post("/sessions", json={"container": "t-3"}).json()["session_id"]
-            _exec(one, old, "x = 1")
-            assert two.delete("/v1/containers/t-3").status_code in (200, 204)
-            put = two.put("/api/v1/app/thread/t-3/put-file/new.txt", content=b"new")
-            assert put.status_code == 201, put.text
+    with _two_front_ends(tmp_path, (970_000, 970_500), postgres_url, seaweedfs) as (one, two):
+        old = one.post("/sessions", json={"container": "t-3"}).json()["session_id"]
+        _exec(one, old, "x = 1")
+        assert two.delete("/v1/containers/t-3").status_code in (200, 204)
+        put = two.put("/api/v1/app/thread/t-3/put-file/new.txt", content=b"new")
+        assert put.status_code == 201, put.text
 
-            new = one.post("/sessions", json={"container": "t-3"})
-            assert new.status_code == 201, new.text
-            seen = _exec(one, new.json()["session_id"],
-                         "import os; print(sorted(os.listdir('/mnt/user-data/uploads')))")
-            assert seen["result_block"]["content"]["stdout"] == "['new.txt']\n", seen
-            assert one.get(f"/sessions/{old}").status_code == 404
-            gone = one.post(f"/sessions/{old}/exec",
-                            json={"tool": "code_execution", "input": {"code": "x"}})
-            assert gone.status_code == 404, gone.text
-    finally:
-        first.stop()
-        second.stop()
+        new = one.post("/sessions", json={"container": "t-3"})
+        assert new.status_code == 201, new.text
+        seen = _exec(one, new.json()["session_id"],
+                     "import os; print(sorted(os.listdir('/mnt/user-data/uploads')))")
+        assert seen["result_block"]["content"]["stdout"] == "['new.txt']\n", seen
+        assert one.get(f"/sessions/{old}").status_code == 404
+        gone = one.post(f"/sessions/{old}/exec",
+                        json={"tool": "code_execution", "input": {"code": "x"}})
+        assert gone.status_code == 404, gone.text
 
 
 def test_sessions_on_a_container_moved_off_their_host_end_with_its_sandbox(
@@ -419,25 +423,18 @@ def test_sessions_on_a_container_deleted_elsewhere_end_at_their_next_call(
     """B deletes the container a session on A works in. A learns it at the session's
     next write-through of its activity (at most every few seconds): that call keeps
     its answer, and the session ends with the sandbox (404 from then on)."""
-    bucket = seaweedfs.new_bucket()
-    first = _front_end(tmp_path, "a", 972_000, postgres_url, seaweedfs, bucket)
-    second = _front_end(tmp_path, "b", 972_500, postgres_url, seaweedfs, bucket)
-    try:
-        with first.client() as one, second.client() as two:
-            session = one.post("/sessions", json={"container": "t-4"}).json()["session_id"]
-            _exec(one, session, "x = 1")
-            assert two.delete("/v1/containers/t-4").status_code in (200, 204)
-            deadline = time.monotonic() + 30
-            while True:
-                answer = one.post(f"/sessions/{session}/exec",
-                                  json={"tool": "code_execution", "input": {"code": "x"}})
-                if answer.status_code == 404:
-                    break
-                assert answer.status_code == 200, answer.text
-                assert answer.json()["result_block"]["content"]["stdout"] == "1\n", answer.text
-                assert time.monotonic() < deadline, "the session outlived its container"
-                time.sleep(0.5)
-            assert one.get(f"/sessions/{session}").status_code == 404
-    finally:
-        first.stop()
-        second.stop()
+    with _two_front_ends(tmp_path, (972_000, 972_500), postgres_url, seaweedfs) as (one, two):
+        session = one.post("/sessions", json={"container": "t-4"}).json()["session_id"]
+        _exec(one, session, "x = 1")
+        assert two.delete("/v1/containers/t-4").status_code in (200, 204)
+        deadline = time.monotonic() + 30
+        while True:
+            answer = one.post(f"/sessions/{session}/exec",
+                              json={"tool": "code_execution", "input": {"code": "x"}})
+            if answer.status_code == 404:
+                break
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["result_block"]["content"]["stdout"] == "1\n", answer.text
+            assert time.monotonic() < deadline, "the session outlived its container"
+            time.sleep(0.5)
+        assert one.get(f"/sessions/{session}").status_code == 404
