@@ -15,6 +15,7 @@ from .api import (containers, errors, files, messages, observability, protocol_v
                   runs, runtime, threads)
 from .api.auth import TokenTable
 from .api.body_limits import BodyLimits, Budget
+from .api.stalled import StalledResponses
 from .config import MiB, Settings
 from .gateway import Gateway
 from .runs import RunManager
@@ -96,6 +97,7 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     share = max(settings.request_cap, buffer // 2) if tokens.tenants > 1 else buffer
     app.add_middleware(BodyLimits, cap=settings.request_cap, budget=Budget(buffer, share),
                        idle_seconds=settings.request_body_idle_seconds)
+    app.add_middleware(StalledResponses, seconds=settings.response_stall_seconds)
     app.add_middleware(observability.Edge)
     reservations = _reservations(app, settings, manager)
     if reservations is not None:

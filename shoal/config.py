@@ -118,6 +118,11 @@ class Settings(BaseSettings):
                                     "one credential's bodies may hold half of it.")
     request_body_idle_seconds: float = Field(30.0, gt=0, description="A request body that "
                                              "stops arriving for this long is answered 408.")
+    response_stall_seconds: float = Field(60.0, gt=0, description="A response its client "
+                                          "takes none of for this long (it stays connected "
+                                          "but stops reading) is cut and its connection "
+                                          "closed, so that what the response streams from "
+                                          "(a run's events, a model's turn, a file) is let go.")
 
     # -- runs and inner tool calls -------------------------------------------------
     run_retention_seconds: int = Field(86400, ge=60, description="How long a finished run's "

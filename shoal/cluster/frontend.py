@@ -38,6 +38,7 @@ from starlette.routing import Route
 from shoal import __version__
 from shoal.api.auth import OPEN_TENANT, TokenTable, operator_tokens_of, bearer_token
 from shoal.api.body_limits import BodyLimits, Budget
+from shoal.api.stalled import StalledResponses
 from shoal.api.errors import PLACEMENT_HEADER, error_response
 from shoal.api.observability import ALIAS_PREFIX
 from shoal.config import MiB, Settings, read_secret
@@ -290,7 +291,8 @@ def create_front_end(settings: Settings) -> Starlette:
     # The bodies it keeps to resend: bounded each and all together, as on a host.
     middleware = [Middleware(BodyLimits, cap=settings.request_cap,
                              budget=Budget(settings.request_buffer_mib * MiB),
-                             idle_seconds=settings.request_body_idle_seconds)]
+                             idle_seconds=settings.request_body_idle_seconds),
+                  Middleware(StalledResponses, seconds=settings.response_stall_seconds)]
     app = Starlette(lifespan=lifespan, middleware=middleware, routes=[
         Route("/health", health), Route("/readyz", readyz), Route("/livez", livez),
         Route("/{path:path}", front.handle, methods=methods)])
