@@ -27,6 +27,9 @@ def _claim() -> int:
     _DIRECTORY.mkdir(mode=0o700, parents=True, exist_ok=True)
     chosen = os.environ.get("SHOAL_TEST_UID_SLOT")
     slots = [int(chosen)] if chosen else range(SLOTS)
+    if chosen and not 0 <= int(chosen) < SLOTS:
+        # A slot past the last moves the suites' uids past 2**32 - 2.
+        raise RuntimeError(f"SHOAL_TEST_UID_SLOT={chosen}: the slots are 0 to {SLOTS - 1}")
     for slot in slots:
         fd = os.open(_DIRECTORY / f"{slot}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
