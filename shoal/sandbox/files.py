@@ -92,6 +92,9 @@ class FileEntry:
     path: SandboxPath
     size: int
     modified_at: float
+    # The same time to the nanosecond: what tells a file's metadata (its etag)
+    # from one that code rewrote since, at the same size.
+    modified_ns: int = 0
 
     @property
     def mime_type(self) -> str:
@@ -209,7 +212,8 @@ class SandboxFiles:
         """Regular files under a directory, recursively, without following links."""
         directory = self._open_dir(path.mount, path.parts)
         try:
-            entries = [FileEntry(SandboxPath(path.mount, parts), info.st_size, info.st_mtime)
+            entries = [FileEntry(SandboxPath(path.mount, parts), info.st_size, info.st_mtime,
+                                 info.st_mtime_ns)
                        for parts, info in _walk(directory, path.parts)]
         finally:
             os.close(directory)
@@ -220,7 +224,8 @@ class SandboxFiles:
         """Size and time of one regular file, without following links."""
         handle, size = self.open_for_reading(path)
         with handle:
-            return FileEntry(path, size, os.fstat(handle.fileno()).st_mtime)
+            info = os.fstat(handle.fileno())
+            return FileEntry(path, size, info.st_mtime, info.st_mtime_ns)
 
     def delete(self, path: SandboxPath) -> None:
         """Remove one file (never a directory, never through a link)."""
@@ -237,8 +242,8 @@ class SandboxFiles:
         finally:
             os.close(directory)
 
-    def write(self, path: SandboxPath, source: BinaryIO) -> int:
-        """Write ``source`` to ``path`` atomically; returns the size written.
+    def write(self, path: SandboxPath, source: BinaryIO) -> FileEntry:
+        """Write ``source`` to ``path`` atomically; returns what was written.
 
         The bytes land in a temporary name beside the target and are renamed
         over it, so a reader never sees half a file and a failed upload leaves
@@ -260,6 +265,8 @@ class SandboxFiles:
                         if written > self._max_file_bytes:
                             raise FileTooLarge(f"file is larger than {self._max_file_bytes} bytes")
                         target.write(chunk)
+                    target.flush()  # its last write, so that the time is the file's
+                    info = os.fstat(target.fileno())
                     if path.mount not in _ROOT_OWNED:  # read-only to code
                         os.fchown(target.fileno(), self._uid, self._uid)
                 os.rename(temporary, path.parts[-1], src_dir_fd=directory, dst_dir_fd=directory)
@@ -279,7 +286,7 @@ class SandboxFiles:
             raise _refusal(exc, path.relative) from None
         finally:
             os.close(directory)
-        return written
+        return FileEntry(path, written, info.st_mtime, info.st_mtime_ns)
 
 
     # -- the host's own directories ------------------------------------------------

@@ -17,7 +17,8 @@ import base64
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from typing import BinaryIO
 
 from shoal.sandbox import FileAccessError, FileMissing, ProducedFile, guess_mime_type
@@ -111,6 +112,9 @@ class ContainerFiles:
     def __init__(self, containers: ContainerManager, metadata: MetadataStore) -> None:
         self._containers = containers
         self._metadata = metadata
+        # One write of a path at a time, file and row together: two at once
+        # could leave one's bytes on disk under the other's etag.
+        self._writing: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     # Every method works inside ContainerManager.using: a container deleted since
     # the caller looked it up is a 404 (UnknownContainer), never files or rows
@@ -137,13 +141,19 @@ class ContainerFiles:
     async def _reconciled(self, record: ContainerRecord, entry: FileEntry,
                           row: FileRecord | None) -> FileRecord:
         """The metadata row of a file as found on disk, recorded anew if the file
-        is new (first seen now) or changed size since (its etag is then unknown)."""
+        is new (first seen now) or was written since (its etag is then unknown)."""
         if row is not None and row.size == entry.size:
-            return row
+            if row.modified_ns == entry.modified_ns:
+                return row
+            if not row.modified_ns:  # a row from before the times were kept: from now on
+                row = replace(row, modified_ns=entry.modified_ns)
+                await self._metadata.put_file(row)
+                return row
         row = FileRecord(
             tenant=record.tenant, container_id=record.id, path=entry.path.sandbox_path,
             created_at=row.created_at if row else entry.modified_at, size=entry.size,
-            source=row.source if row else ("assistant" if entry.path.mount == OUTPUTS else "user"))
+            source=row.source if row else ("assistant" if entry.path.mount == OUTPUTS else "user"),
+            modified_ns=entry.modified_ns)
         await self._metadata.put_file(row)
         return row
 
@@ -169,14 +179,19 @@ class ContainerFiles:
         """Write one file into the container; with ``checkpoint``, durable beyond this
         host before it returns (a caller writing several checkpoints once, after
         the last)."""
-        async with self._containers.using(record):
+        key = (record.tenant, record.id, path.sandbox_path)
+        writing = self._writing.get(key)
+        if writing is None:
+            writing = self._writing[key] = asyncio.Lock()
+        async with self._containers.using(record), writing:
             files = await self._containers.files_of(record)
             reader = _HashingReader(source)
-            size = await asyncio.to_thread(files.write, path, reader)
+            written = await asyncio.to_thread(files.write, path, reader)
             previous = await self._metadata.get_file(record.tenant, record.id, path.sandbox_path)
             row = FileRecord(tenant=record.tenant, container_id=record.id, path=path.sandbox_path,
                              created_at=previous.created_at if previous else time.time(),
-                             size=size, source=source_kind, etag=reader.digest.hexdigest())
+                             size=written.size, source=source_kind,
+                             etag=reader.digest.hexdigest(), modified_ns=written.modified_ns)
             await self._metadata.put_file(row)
             if checkpoint:
                 await self._containers.checkpoint(record)  # in the object store before the answer

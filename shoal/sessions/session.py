@@ -97,4 +97,4 @@ class Session:
     def write_file(self, raw_path: str, source) -> tuple[SandboxPath, int]:
         self.touch()
         path = parse_path(raw_path, allow_file_id=False)
-        return path, self.sandbox.files.write(path, source)
+        return path, self.sandbox.files.write(path, source).size

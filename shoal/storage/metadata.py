@@ -46,6 +46,9 @@ class FileRecord:
     size: int
     source: str = "user"  # user | assistant
     etag: str | None = None
+    # The file's mtime in ns when the row was written (0: before schema 6):
+    # a file found with another was changed since, and its etag is unknown.
+    modified_ns: int = 0
 
 
 @dataclass(frozen=True)

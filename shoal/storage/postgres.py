@@ -27,8 +27,8 @@ import asyncpg
 from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
                        UploadRecord)
 # One schema, one version sequence, one mapping of rows to records, for both stores.
-from .sqlite import (_MIGRATIONS, _TAKE_OVER, SCHEMA_VERSION, SchemaTooNew, _container, _file,
-                     _response_texts, _upload)
+from .sqlite import (_FILE_COLUMNS, _MIGRATIONS, _TAKE_OVER, SCHEMA_VERSION, SchemaTooNew,
+                     _container, _file, _response_texts, _upload)
 
 _LOCK_KEY = 0x5E0A1  # pg_advisory_xact_lock: one migrator at a time
 # pg_advisory_xact_lock(_UPLOADS_LOCK, hashtext(tenant)): one upload of a tenant is
@@ -37,7 +37,6 @@ _UPLOADS_LOCK = 0x5E0A2
 _VERSION_TABLE = "CREATE TABLE IF NOT EXISTS shoal_schema (version INTEGER NOT NULL)"
 _CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_after_minutes, "
                       "status, implicit, memory_limit, network_policy")
-_FILE_COLUMNS = "tenant, container_id, path, created_at, size, source, etag"
 _UPLOAD_COLUMNS = "tenant, id, filename, size, created_at, purpose, mime_type, extra"
 
 
@@ -216,11 +215,12 @@ class PostgresMetadataStore(MetadataStore):
     # -- container files -----------------------------------------------------------
     async def put_file(self, record: FileRecord) -> None:
         await self.pool.execute(
-            f"INSERT INTO container_files ({_FILE_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7) "
+            f"INSERT INTO container_files ({_FILE_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8) "
             "ON CONFLICT (tenant, container_id, path) DO UPDATE SET created_at = EXCLUDED.created_at, "
-            "size = EXCLUDED.size, source = EXCLUDED.source, etag = EXCLUDED.etag",
+            "size = EXCLUDED.size, source = EXCLUDED.source, etag = EXCLUDED.etag, "
+            "modified_ns = EXCLUDED.modified_ns",
             record.tenant, record.container_id, record.path, record.created_at, record.size,
-            record.source, record.etag)
+            record.source, record.etag, record.modified_ns)
 
     async def get_file(self, tenant: str, container_id: str, path: str) -> FileRecord | None:
         row = await self.pool.fetchrow(f"SELECT {_FILE_COLUMNS} FROM container_files WHERE "

@@ -107,6 +107,12 @@ _MIGRATIONS = (
     ALTER TABLE responses ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
     CREATE INDEX IF NOT EXISTS responses_bytes ON responses (tenant, bytes);
     """,
+    # 6: a container file's mtime as its row was written, so that a file code
+    # rewrote at the same size is not listed with the etag of the bytes it had
+    # (BIGINT: PostgreSQL's INTEGER is 4 bytes).
+    """
+    ALTER TABLE container_files ADD COLUMN modified_ns BIGINT NOT NULL DEFAULT 0;
+    """,
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 
@@ -134,6 +140,7 @@ def schema_problem(path: Path) -> str | None:
     return None
 
 
+_FILE_COLUMNS = "tenant, container_id, path, created_at, size, source, etag, modified_ns"
 _CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_after_minutes, "
                       "status, implicit, memory_limit, network_policy")
 # create_container's upsert: a row that is no container any more (deleted, or
@@ -152,7 +159,7 @@ def _container(row) -> ContainerRecord:
 
 def _file(row) -> FileRecord:
     return FileRecord(tenant=row[0], container_id=row[1], path=row[2], created_at=row[3],
-                      size=row[4], source=row[5], etag=row[6])
+                      size=row[4], source=row[5], etag=row[6], modified_ns=row[7])
 
 
 def _upload(row) -> UploadRecord:
@@ -331,20 +338,19 @@ class SqliteMetadataStore(MetadataStore):
     # -- container files -----------------------------------------------------------
     async def put_file(self, record: FileRecord) -> None:
         await self._write(
-            "INSERT OR REPLACE INTO container_files (tenant, container_id, path, created_at, size, "
-            "source, etag) VALUES (?,?,?,?,?,?,?)",
+            f"INSERT OR REPLACE INTO container_files ({_FILE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)",
             (record.tenant, record.container_id, record.path, record.created_at, record.size,
-             record.source, record.etag))
+             record.source, record.etag, record.modified_ns))
 
     async def get_file(self, tenant: str, container_id: str, path: str) -> FileRecord | None:
         rows = await self._rows(
-            "SELECT tenant, container_id, path, created_at, size, source, etag FROM container_files "
+            f"SELECT {_FILE_COLUMNS} FROM container_files "
             "WHERE tenant = ? AND container_id = ? AND path = ?", (tenant, container_id, path))
         return _file(rows[0]) if rows else None
 
     async def list_files(self, tenant: str, container_id: str) -> list[FileRecord]:
         rows = await self._rows(
-            "SELECT tenant, container_id, path, created_at, size, source, etag FROM container_files "
+            f"SELECT {_FILE_COLUMNS} FROM container_files "
             "WHERE tenant = ? AND container_id = ? ORDER BY created_at, path", (tenant, container_id))
         return [_file(row) for row in rows]
 

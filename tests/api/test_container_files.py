@@ -421,6 +421,42 @@ def test_files_move_both_ways_while_a_session_is_attached(http, scope):
         assert_error(http.get(f"/v1/files/{summary['id']}", params={"scope_id": scope}), 404)
 
 
+def test_an_etag_never_names_bytes_the_file_no_longer_holds(http, scope):
+    """Code that rewrites an uploaded file in place, at the same size, leaves it
+    with other bytes: its etag (the upload's md5) must not stay. The listing
+    then says it does not know it, as for any file code wrote."""
+    put(http, scope, "outputs/same.txt", b"aaaa")
+    with attached(http, scope) as bash:
+        assert bash(f"sleep 0.05; printf 'bbbb' > {OUTPUTS}/same.txt")["return_code"] == 0
+        item = {i["id"]: i for i in listing(http, scope)["data"]}[file_id(f"{OUTPUTS}/same.txt")]
+        assert item["size_bytes"] == 4
+        assert item["etag"] in (None, hashlib.md5(b"bbbb").hexdigest()), item
+        head = http.head(f"/v1/files/{item['id']}", params={"scope_id": scope})
+        assert head.headers["x-file-etag"] in ("", hashlib.md5(b"bbbb").hexdigest())
+        # A file no one touched keeps its etag; a new upload gets its own again.
+        again = put(http, scope, "outputs/same.txt", b"cccc")
+        assert again["etag"] == hashlib.md5(b"cccc").hexdigest()
+        item = {i["id"]: i for i in listing(http, scope)["data"]}[file_id(f"{OUTPUTS}/same.txt")]
+        assert item["etag"] == hashlib.md5(b"cccc").hexdigest()
+        assert bash(f"cat {OUTPUTS}/same.txt")["stdout"] == "cccc"
+
+
+def test_concurrent_puts_of_one_key_leave_the_etag_of_the_bytes_kept(http, scope):
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = "outputs/raced.bin"
+    fid = file_id(f"{OUTPUTS}/raced.bin")
+    with ThreadPoolExecutor(2) as pool:
+        for round_ in range(15):
+            bodies = [bytes([65 + round_ % 26]) * 200_000, bytes([97 + round_ % 26]) * 200_000]
+            answers = list(pool.map(lambda body: put(http, scope, key, body), bodies))
+            assert {a["etag"] for a in answers} == {hashlib.md5(b).hexdigest() for b in bodies}
+            kept = content_of(http, scope, fid)
+            assert kept in bodies
+            item = {i["id"]: i for i in listing(http, scope)["data"]}[fid]
+            assert item["etag"] == hashlib.md5(kept).hexdigest(), round_
+
+
 # -- list ---------------------------------------------------------------------------------------
 def test_list_is_sorted_by_creation_and_pages_both_ways(http, scope):
     ids = [upload(http, scope, f"f{i}.txt", f"file {i}".encode(), path=f"page/f{i}.txt")["id"]

@@ -137,8 +137,9 @@ async def test_touch_container_moves_only_that_live_containers_activity_forward(
 
 async def test_files_uploads_runs_responses(store):
     await store.put_container(container())
-    files = [FileRecord("alpha", "cnt_1", f"/mnt/data/{name}", time.time() + i, 3 + i, "user", None)
-             for i, name in enumerate(["a.txt", "b.txt", "c.txt"])]
+    # A file's mtime in ns is past 2**60: a 4-byte column would not hold it.
+    files = [FileRecord("alpha", "cnt_1", f"/mnt/data/{name}", time.time() + i, 3 + i, "user", None,
+                        time.time_ns() + i) for i, name in enumerate(["a.txt", "b.txt", "c.txt"])]
     for record in files:
         await store.put_file(record)
     assert await store.list_files("alpha", "cnt_1") == files
