@@ -6,8 +6,8 @@ ends when its client leaves: a non-streaming request, or a streaming one that
 has not sent its first event, waits inside the handler, where Starlette does
 not notice a hang-up, so these helpers watch for it there and stop the work
 (the tool loop's own cleanup cancels the run in flight). A streaming response
-that has begun is Starlette's to stop; it gives the tenant's slot back when
-its body ends, however it ends.
+that has begun is Starlette's to stop (shoal.streaming closes its body then);
+it gives the tenant's slot back when its body ends, however it ends.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
+
+from shoal.streaming import close_iterator
 
 T = TypeVar("T")
 
@@ -93,8 +95,6 @@ async def _then(chunks: AsyncIterator, release: Callable[[], None]) -> AsyncIter
             yield chunk
     finally:
         try:
-            close = getattr(chunks, "aclose", None)
-            if close is not None:
-                await close()
+            await close_iterator(chunks)
         finally:
             release()

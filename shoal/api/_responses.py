@@ -8,8 +8,9 @@ from typing import BinaryIO
 from urllib.parse import quote
 
 from fastapi import Response
-from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
+
+from shoal.streaming import StreamingBody
 
 _SMALL_FILE_BYTES = 1024 * 1024
 _CHUNK = 1 << 20
@@ -40,10 +41,14 @@ async def file_response(handle: BinaryIO, size: int, name: str, media_type: str,
             data = await run_in_threadpool(handle.read)
         return Response(data, media_type=media_type, headers=headers)
 
-    def chunks():
-        with handle:
-            while chunk := handle.read(_CHUNK):
+    async def chunks():
+        # Async, and closed by StreamingBody: a client that leaves mid-download
+        # lets go of the handle at once, not at the next garbage collection.
+        try:
+            while chunk := await run_in_threadpool(handle.read, _CHUNK):
                 yield chunk
+        finally:
+            handle.close()
 
     headers["content-length"] = str(size)
-    return StreamingResponse(chunks(), media_type=media_type, headers=headers)
+    return StreamingBody(chunks(), media_type=media_type, headers=headers)

@@ -12,9 +12,10 @@ import json
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
+from shoal.streaming import StreamingBody, close_iterator
 from shoal.gateway.anthropic import InvalidMessagesRequest, parse_request
 
 from ._bodies import read_json_object
@@ -94,27 +95,30 @@ async def _serve(request: Request, tenant: str, gateway, upstream, parsed) -> Re
         first = await unless_gone(request, first_chunk(iterator))
     except UpstreamError as exc:
         return upstream_error(request, exc)
-    return StreamingResponse(_stream(first, iterator, request_id_of(request)),
+    return StreamingBody(_stream(first, iterator, request_id_of(request)),
                              media_type="text/event-stream",
                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
 async def _stream(first: bytes | None, iterator, request_id: str | None) -> AsyncIterator[bytes]:
-    if first is None:
-        return
-    yield first
     try:
-        async for chunk in iterator:
-            if chunk is not None:
-                yield chunk
-    except UpstreamError as exc:
-        # Mid-stream the status is sent: the error travels as Anthropic's error event.
-        body = exc.body if isinstance(exc.body, dict) and exc.body.get("type") == "error" else (
-            error_body(ANTHROPIC, exc.status, exc.message))
-        yield _event("error", {**body, "request_id": request_id})
-    except Exception as exc:  # noqa: BLE001 - the stream says so instead of breaking off
-        yield _event("error", error_body(ANTHROPIC, *stream_failure(exc, "a streamed message"),
-                                         request_id))
+        if first is None:
+            return
+        yield first
+        try:
+            async for chunk in iterator:
+                if chunk is not None:
+                    yield chunk
+        except UpstreamError as exc:
+            # Mid-stream the status is sent: the error travels as Anthropic's error event.
+            body = exc.body if isinstance(exc.body, dict) and exc.body.get("type") == "error" else (
+                error_body(ANTHROPIC, exc.status, exc.message))
+            yield _event("error", {**body, "request_id": request_id})
+        except Exception as exc:  # noqa: BLE001 - the stream says so instead of breaking off
+            yield _event("error", error_body(ANTHROPIC, *stream_failure(exc, "a streamed message"),
+                                             request_id))
+    finally:
+        await close_iterator(iterator)  # the loop's cleanup: its run, its model connection
 
 
 def _event(name: str, data: dict) -> bytes:

@@ -12,9 +12,10 @@ import logging
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
+from shoal.streaming import StreamingBody, close_iterator
 from shoal.gateway.openai import InvalidResponsesRequest, parse_request
 
 from ._bodies import read_json_object
@@ -78,29 +79,32 @@ async def _serve(request: Request, tenant: str, gateway, upstream, parsed) -> Re
         first = await unless_gone(request, first_chunk(iterator))
     except UpstreamError as exc:
         return upstream_error(request, exc)
-    return StreamingResponse(_stream(first, iterator, session, request_id_of(request)),
+    return StreamingBody(_stream(first, iterator, session, request_id_of(request)),
                              media_type="text/event-stream",
                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
 async def _stream(first, iterator, session, request_id) -> AsyncIterator[bytes]:
-    if first is None:
-        return
-    yield first
     try:
-        async for chunk in iterator:
-            if chunk is not None:
-                yield chunk
-    except Exception as exc:  # noqa: BLE001 - the stream ends with OpenAI's failure events
-        # Past the first event the status is sent: what a handler would have
-        # answered (a quota, capacity, a container gone) travels in the events.
-        if isinstance(exc, UpstreamError):
-            status, message = exc.status, exc.message
-            log.warning("a streamed response failed: %s", message, extra={"status": status})
-        else:
-            status, message = stream_failure(exc, "a streamed response")
-        for event in session.adapter.failure(message, openai_code(status)):
-            yield event
+        if first is None:
+            return
+        yield first
+        try:
+            async for chunk in iterator:
+                if chunk is not None:
+                    yield chunk
+        except Exception as exc:  # noqa: BLE001 - the stream ends with OpenAI's failure events
+            # Past the first event the status is sent: what a handler would have
+            # answered (a quota, capacity, a container gone) travels in the events.
+            if isinstance(exc, UpstreamError):
+                status, message = exc.status, exc.message
+                log.warning("a streamed response failed: %s", message, extra={"status": status})
+            else:
+                status, message = stream_failure(exc, "a streamed response")
+            for event in session.adapter.failure(message, openai_code(status)):
+                yield event
+    finally:
+        await close_iterator(iterator)  # the loop's cleanup: its run, its model connection
 
 
 @router.get("/{response_id}", summary="A stored response",

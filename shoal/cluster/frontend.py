@@ -28,17 +28,17 @@ from contextlib import asynccontextmanager
 
 import httpx
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from shoal import __version__
 from shoal.api.auth import OPEN_TENANT, TokenTable, operator_tokens_of, bearer_token
 from shoal.api.body_limits import BodyLimits, Budget
 from shoal.api.stalled import StalledResponses
+from shoal.streaming import StreamingBody
 from shoal.api.errors import PLACEMENT_HEADER, error_response
 from shoal.api.observability import ALIAS_PREFIX
 from shoal.config import MiB, Settings, read_secret
@@ -227,11 +227,10 @@ class FrontEnd:
                 probe = None
             holder = upstream.headers.get(PLACEMENT_HEADER)
             if upstream.status_code != 421 or holder is None:
-                return StreamingResponse(
-                    upstream.aiter_raw(), status_code=upstream.status_code,
+                return StreamingBody(
+                    _relayed(upstream), status_code=upstream.status_code,
                     headers={k: v for k, v in upstream.headers.items()
-                             if k.lower() not in _HOP and k.lower() != PROBE_HEADER},
-                    background=BackgroundTask(upstream.aclose))
+                             if k.lower() not in _HOP and k.lower() != PROBE_HEADER})
             await upstream.aclose()
             tenant = self._tenant(request)
             container_id = self._container_of(request, body)
@@ -260,6 +259,16 @@ class FrontEnd:
         url = httpx.URL(host.url).copy_with(raw_path=raw + (b"?" + query if query else b""))
         outgoing = self.client.build_request(request.method, url, headers=headers, content=body)
         return await self.client.send(outgoing, stream=True)
+
+
+async def _relayed(upstream: httpx.Response):
+    """A host's answer, relayed; its connection closed however the relay ends
+    (StreamingBody closes this when the client leaves or stalls)."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    finally:
+        await upstream.aclose()
 
 
 def create_front_end(settings: Settings) -> Starlette:

@@ -21,7 +21,9 @@ from typing import AsyncIterator
 import httpx
 from httpx_sse import aconnect_sse
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
+
+from shoal.streaming import StreamingBody
 
 # Response headers worth passing back from the upstream.
 _PASSED_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry", "content-type")
@@ -179,7 +181,7 @@ class Upstream:
                         yield chunk
                 finally:
                     await response.aclose()
-            return StreamingResponse(chunks(), status_code=response.status_code, headers=headers)
+            return StreamingBody(chunks(), status_code=response.status_code, headers=headers)
         try:
             content = await response.aread()
         finally:

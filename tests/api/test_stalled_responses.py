@@ -1,14 +1,18 @@
-"""A response its client stops taking is cut after response_stall_seconds.
+"""A response its client stops taking is cut after response_stall_seconds, and a
+response cut or left lets go of what it streamed from at once.
 
 A client that stays connected and reads nothing held its stream's send for ever,
-and the route with it: a run's event log, a gateway turn's upstream connection.
+and the route with it: a run's event log, a gateway turn's upstream connection
+(tests/gateway/test_messages.py), an open file.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 MiB = 1 << 20
@@ -89,3 +93,55 @@ def test_a_slow_reader_that_keeps_reading_is_not_cut(server_factory):
     assert b"event: run.completed" in received and b"data: [DONE]" in received
     assert took > 2, took  # it did outlast the stall limit, in rests shorter than it
     assert "cut a response" not in server.log()
+
+
+def _open_handles(pid: int, name: str) -> int:
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            count += os.readlink(fd).endswith(name)
+        except OSError:
+            continue  # closed meanwhile
+    return count
+
+
+def _handles_gone(pid: int, name: str, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while _open_handles(pid, name):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_download_left_or_stalled_lets_go_of_its_file_at_once(server_factory):
+    # A large file streams from an open handle: a client that hung up mid-way, or
+    # stopped reading, left it open until a garbage collection (and a volume
+    # with an open file does not unmount: its loop device stayed attached).
+    server = server_factory(response_stall_seconds=1, max_file_bytes=16 * MiB, pool_size=1)
+    pid = server.process.pid
+    scope = "stalled-download"
+    with server.client() as http:
+        answer = http.put("/v1/files/outputs/big-download.bin", params={"scope_id": scope},
+                          content=os.urandom(8 * MiB))
+        assert answer.status_code == 201, answer.text
+        file_id = answer.json()["id"]
+    request = (f"GET /v1/files/{file_id}/content?scope_id={scope} HTTP/1.1\r\n"
+               "Host: x\r\n\r\n").encode()
+    address = urlsplit(server.url)
+    for leave in ("hang up", "stop reading"):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((address.hostname, address.port))
+        try:
+            sock.sendall(request)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            deadline = time.monotonic() + 10
+            while not _open_handles(pid, "big-download.bin"):
+                assert time.monotonic() < deadline, "the download never opened its file"
+                time.sleep(0.05)
+            if leave == "hang up":
+                sock.close()
+            assert _handles_gone(pid, "big-download.bin"), f"{leave}: the file stayed open"
+        finally:
+            sock.close()

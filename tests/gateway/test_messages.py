@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import threading
 import time
 import uuid
@@ -501,6 +502,40 @@ def _abandoned(url: str, token: str, path: str) -> None:
     except httpx.ReadTimeout:
         return
     raise AssertionError(f"a hanging request was answered: {answer.status_code} {answer.text}")
+
+
+@pytest.mark.parametrize("tools", [[], [TOOL]], ids=["pass-through", "tool-loop"])
+def test_a_stream_its_client_stops_reading_gives_its_model_connection_back(
+        gateway_factory, upstream, tools):
+    # A client that stayed connected and read nothing held its stream's model
+    # connection (of a pool every tenant shares) until it hung up, even after
+    # the model had finished: the other tenant's call waited 10 s for one and
+    # was a 503. The stalled response is cut, and the connection goes back.
+    server = gateway_factory(upstream_max_connections=1, response_stall_seconds=1)
+    upstream.script(anthropic_turn(text("x" * (4 << 20)), chunk=16384),
+                    anthropic_turn(text("fine")))
+    body = json.dumps({"model": "m", "max_tokens": 8, "stream": True, "tools": tools,
+                       "messages": [{"role": "user", "content": "a long answer"}]}).encode()
+    address = server.url.removeprefix("http://").rsplit(":", 1)
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect((address[0], int(address[1])))
+    try:
+        stalled.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n"
+                        b"Authorization: Bearer " + CLIENT_TOKEN.encode() + b"\r\n"
+                        b"Content-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 30
+        while not upstream.requests:
+            assert time.monotonic() < deadline, "the stalled request never reached the model"
+            time.sleep(0.05)
+        time.sleep(3)  # reading nothing, still connected
+        theirs = anthropic.Anthropic(base_url=server.url, api_key=OTHER_TOKEN, max_retries=0,
+                                     timeout=30)
+        assert ask(theirs, content="other tenant").content[-1].text == "fine"
+        assert "cut a response: its client took none of it for 1s" in server.log()
+    finally:
+        stalled.close()
 
 
 def test_requests_without_the_tool_pass_through_unchanged(anthropic_client, upstream):
