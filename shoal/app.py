@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from . import __version__
 from .api import (containers, errors, files, messages, observability, protocol_v1, responses,
                   runs, runtime, threads)
-from .api.auth import TokenTable
+from .api.auth import TokenTable, scope_bearer_token
 from .api.body_limits import BodyLimits, Budget
 from .api.stalled import StalledResponses
 from .config import MiB, Settings
@@ -96,7 +96,8 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
     # With one tenant there is no one else's room to keep: its bodies may fill it all.
     share = max(settings.request_cap, buffer // 2) if tokens.tenants > 1 else buffer
     app.add_middleware(BodyLimits, cap=settings.request_cap, budget=Budget(buffer, share),
-                       idle_seconds=settings.request_body_idle_seconds)
+                       idle_seconds=settings.request_body_idle_seconds,
+                       share_of=lambda scope: tokens.tenant_for(scope_bearer_token(scope)))
     app.add_middleware(StalledResponses, seconds=settings.response_stall_seconds)
     app.add_middleware(observability.Edge)
     reservations = _reservations(app, settings, manager)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fastapi import HTTPException, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.datastructures import Headers
 
 from shoal.logs import request_context
 
@@ -129,9 +130,18 @@ class TokenTable:
 def bearer_token(request: Request) -> str:
     """The request's bearer token (``Authorization: Bearer``, or ``x-api-key``
     as Anthropic's SDKs before 1.0 send it), or ``""``."""
-    header = request.headers.get("authorization", "")
+    return _token_in(request.headers)
+
+
+def scope_bearer_token(scope) -> str:
+    """The same, from an ASGI scope (for middleware, before a route runs)."""
+    return _token_in(Headers(scope=scope))
+
+
+def _token_in(headers: Headers) -> str:
+    header = headers.get("authorization", "")
     if not header:
-        return request.headers.get("x-api-key", "").strip()
+        return headers.get("x-api-key", "").strip()
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
 

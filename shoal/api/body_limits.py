@@ -10,12 +10,14 @@ hold before a route sees a byte:
 - the bodies of all requests in progress together hold at most
   ``request_buffer_mib``: a request whose next chunk would pass it is a 503
   with ``Retry-After``, and what it held is given back at once. Where tokens
-  name several tenants, one credential's bodies hold at most half of it (or
-  one body at the cap, if more), so one tenant's stalled uploads cannot take
-  every other tenant's room;
+  name several tenants, one tenant's bodies hold at most half of it (or one
+  body at the cap, if more), so one tenant's stalled uploads cannot take every
+  other tenant's room. The share is the tenant's, not the header's: spelt
+  ``bearer`` or ``BEARER``, or with two spaces, a token still names one
+  tenant (each spelling had a share of its own, and four took it all);
 - a body that stops arriving for ``request_body_idle_seconds`` is a 408, and
-  what it held is given back: a client cannot hold its share by sending a
-  byte now and then, only by sending the body.
+  what it held is given back. A client that keeps sending, however slowly,
+  keeps what it sent: within its tenant's share, which is what bounds it.
 
 Both are raised from ``receive`` as ``HTTPException``s, so the route reading the
 body answers in its own dialect (FastAPI's own ``max_body_size`` answers a
@@ -29,10 +31,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 from starlette.exceptions import HTTPException
 
 log = logging.getLogger("shoal")
+
+
+_UNKNOWN = object()
 
 
 class BodyTooLarge(HTTPException):
@@ -52,16 +58,16 @@ class BodyStalled(HTTPException):
 
 
 class Budget:
-    """The bytes every request in progress has received, in all and by client;
-    one per server. ``share`` is what one client's bodies may hold together."""
+    """The bytes every request in progress has received, in all and by tenant;
+    one per server. ``share`` is what one tenant's bodies may hold together."""
 
     def __init__(self, total: int, share: int | None = None) -> None:
         self.total = total
         self.share = min(share or total, total)
         self.used = 0
-        self._held: dict[bytes, int] = {}
+        self._held: dict[object, int] = {}
 
-    def take(self, client: bytes, count: int) -> bool:
+    def take(self, client: object, count: int) -> bool:
         mine = self._held.get(client, 0)
         if self.used + count > self.total or mine + count > self.share:
             return False
@@ -69,7 +75,7 @@ class Budget:
         self._held[client] = mine + count
         return True
 
-    def give(self, client: bytes, count: int) -> None:
+    def give(self, client: object, count: int) -> None:
         if not count:
             return
         self.used -= count
@@ -83,22 +89,27 @@ class Budget:
 class BodyLimits:
     """ASGI middleware holding every request's body to ``cap`` and to ``budget``."""
 
-    def __init__(self, app, cap: int, budget: Budget, idle_seconds: float = 30.0) -> None:
+    def __init__(self, app, cap: int, budget: Budget, idle_seconds: float = 30.0,
+                 share_of: Callable[[dict], object] | None = None) -> None:
         self.app = app
         self.cap = cap
         self.budget = budget
         self.idle_seconds = idle_seconds
+        # Whose share a request's body counts against (its tenant); without it,
+        # all of them share one budget.
+        self.share_of = share_of or (lambda scope: None)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared, client = _declared_length(scope), _credential(scope)
+        declared = _declared_length(scope)
+        client: object = _UNKNOWN  # looked up with the first chunk: most requests have none
         held = 0
         whole = False
 
         async def counted() -> dict:
-            nonlocal held, whole
+            nonlocal client, held, whole
             if declared is not None and declared > self.cap:
                 raise BodyTooLarge(self.cap)
             if whole:  # the body is in: what comes next is the client leaving
@@ -109,6 +120,8 @@ class BodyLimits:
             except TimeoutError:
                 raise BodyStalled(self.idle_seconds) from None
             if message["type"] == "http.request":
+                if client is _UNKNOWN:
+                    client = self.share_of(scope)
                 size = len(message.get("body", b""))
                 if held + size > self.cap:
                     raise BodyTooLarge(self.cap)
@@ -125,15 +138,6 @@ class BodyLimits:
             await self.app(scope, counted, send)
         finally:
             self.budget.give(client, held)
-
-
-def _credential(scope) -> bytes:
-    """Who is sending, as far as the budget's shares go: the credential a route
-    will check (a body is read only after it passed), or nothing."""
-    for name, value in scope["headers"]:
-        if name in (b"authorization", b"x-api-key"):
-            return value
-    return b""
 
 
 def _declared_length(scope) -> int | None:

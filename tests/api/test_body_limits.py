@@ -106,10 +106,11 @@ def test_bodies_in_progress_are_bounded_together(server_factory):
             sock.close()
 
 
-def _held_post(server, size: int, token: str | None = None) -> socket.socket:
+def _held_post(server, size: int, token: str | None = None,
+               scheme: bytes = b"Bearer") -> socket.socket:
     """A POST /sessions whose body is sent but for its last byte: the server holds it."""
     sock = _connect(server)
-    auth = b"Authorization: Bearer %s\r\n" % token.encode() if token else b""
+    auth = b"Authorization: %s %s\r\n" % (scheme, token.encode()) if token else b""
     sock.sendall(b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + auth + b"Content-Length: %d\r\n\r\n{" % (size + 1) + b" " * (size - 1))
     return sock
@@ -128,6 +129,31 @@ def test_one_tenants_held_bodies_leave_the_others_room(server_factory):
         held.append(second)
         status, _, body = _response(second)
         assert status == 503 and "request bodies" in json.loads(body)["detail"], body
+        other = _held_post(server, size, "tok-b")
+        held.append(other)
+        other.sendall(b"}")
+        status, _, body = _response(other)
+        assert status == 201, body
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_tenants_share_holds_however_its_token_is_spelt(server_factory):
+    # The share was keyed by the header's bytes: "Bearer", "bearer", "BEARER" and
+    # "Bearer  tok" (all one token to the auth check) were four shares, and one
+    # tenant's stalled uploads took the whole budget.
+    server = server_factory(max_file_bytes=MiB, request_buffer_mib=4, pool_size=1,
+                            tokens="tok-a=a,tok-b=b")
+    size = 3 * MiB // 2
+    held = [_held_post(server, size, "tok-a", scheme=b"Bearer")]
+    try:
+        time.sleep(1)
+        for scheme in (b"bearer", b"BEARER", b"Bearer "):
+            again = _held_post(server, size, "tok-a", scheme=scheme)
+            held.append(again)
+            status, _, body = _response(again)
+            assert status == 503 and "request bodies" in json.loads(body)["detail"], (scheme, body)
         other = _held_post(server, size, "tok-b")
         held.append(other)
         other.sendall(b"}")
