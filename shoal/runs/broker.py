@@ -153,7 +153,14 @@ class PendingCall:
 
 
 class ClientTools:
-    """Calls the client answers by id; ``on_required`` announces each batch."""
+    """Calls the client answers by id; ``on_required`` announces each batch.
+
+    A call the client leaves unanswered for the whole wait fails, and the run's
+    later calls fail at once, unannounced: a client that let one go that long
+    is taken to be gone. Else code that caught each failure and called again
+    kept its sandbox and its tenant's slots for up to 1,000 waits (83 hours at
+    the defaults) with no one there; now a run outlives its client by at most
+    its own timeout plus one wait."""
 
     def __init__(self, grant: Grant, wait_limit: float,
                  on_required: Callable[[list[PendingCall]], None]) -> None:
@@ -163,6 +170,7 @@ class ClientTools:
         self._pending: dict[str, PendingCall] = {}
         self._settled: set[str] = set()
         self.calls = 0
+        self.unanswered: str | None = None  # the tool of a call whose wait ran out
 
     def submit(self, calls: list[ToolCall]) -> list[Awaitable[ToolOutcome]]:
         outcomes: list[Awaitable[ToolOutcome]] = []
@@ -170,6 +178,10 @@ class ClientTools:
         loop = asyncio.get_running_loop()
         for call in calls:
             refusal = self.grant.refusal(call)
+            if refusal is None and self.unanswered is not None:
+                refusal = (f"tool call not made: an earlier call of {self.unanswered!r} went "
+                           f"unanswered for {self.wait_limit:g}s, so this run's client is taken "
+                           "to be gone")
             if refusal is not None:
                 log.info("refused an inner tool call: %s", refusal)
                 outcomes.append(_settled(ToolOutcome(error=refusal)))
@@ -187,6 +199,10 @@ class ClientTools:
     async def _wait(self, pending: PendingCall) -> ToolOutcome:
         try:
             return await pending.future
+        except asyncio.CancelledError:
+            # Cut by the wait limit (shoal.sandbox.toolcalls), or by the run's end.
+            self.unanswered = pending.name
+            raise
         finally:
             self._pending.pop(pending.call_id, None)
             self._settled.add(pending.call_id)

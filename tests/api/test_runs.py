@@ -350,6 +350,24 @@ def test_a_result_that_never_comes_fails_the_call_after_the_wait_ceiling(http):
     assert time.monotonic() - started >= TOOL_WAIT_SECONDS
 
 
+def test_after_a_call_goes_unanswered_the_runs_later_calls_fail_at_once(http):
+    # Code that caught each failure and called again waited out the ceiling
+    # each time, up to 1,000 calls: 83 hours at the defaults of a sandbox and a
+    # tenant's slots held for a client that had gone. Now one wait is all.
+    code = ("for i in range(5):\n"
+            "    try:\n        advanced_query(sql=str(i))\n"
+            "    except ToolError as e:\n        print(e)")
+    events = collect(http, tools=[QUERY_TOOL], allowed_tools=["advanced_query"], code=code)
+    end = final(events)
+    assert end["event"] == "run.completed", end
+    lines = end["stdout"].splitlines()
+    assert len(lines) == 5 and f"no result arrived within {TOOL_WAIT_SECONDS}s" in lines[0], lines
+    assert all("an earlier call of 'advanced_query' went unanswered" in line
+               for line in lines[1:]), lines
+    assert names(events).count("tool_call.required") == 1  # the others were never asked
+    assert end["inner_tool_calls"] == 1
+
+
 def test_cancel_while_waiting_for_a_tool(http):
     with run_stream(http, tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
                     code="advanced_query(sql='x')\nprint('never')") as source:
