@@ -59,6 +59,13 @@ class Settings(BaseSettings):
     keep_alive_seconds: float = Field(75.0, gt=0, description="How long an idle keep-alive "
                                       "connection stays open (longer than any gateway's pool "
                                       "idle time, so a request never races its closing).")
+    request_header_seconds: float = Field(30.0, gt=0, description="A connection that has not "
+                                          "sent a request's whole headers this long after it "
+                                          "was made, or after the first byte following its "
+                                          "previous response, is closed (with a 408 if it "
+                                          "began one), like nginx's client_header_timeout: "
+                                          "one that sends nothing costs the server a file "
+                                          "descriptor and needs no token.")
     operator_tokens: str = Field("", description="Tokens of the operator (not of a tenant): "
                                  "'tok1,tok2' or '@/path/file', one per line. They read /metrics "
                                  "and the details of /health; tenants' tokens do not.")

@@ -18,6 +18,7 @@ import uvicorn
 from . import logs
 from .api.auth import TokenConfigError, TokenTable
 from .config import Settings
+from .connections import header_deadline_protocol
 
 
 class StartupError(RuntimeError):
@@ -178,8 +179,8 @@ def _run(server: uvicorn.Server, listener: socket.socket, failure: str) -> int:
 
 def _uvicorn_config(app, settings: Settings) -> uvicorn.Config:
     return uvicorn.Config(
-        app, loop="uvloop", http="httptools", lifespan="on", access_log=False,
-        log_config=None, log_level=settings.log_level,
+        app, loop="uvloop", http=header_deadline_protocol(settings.request_header_seconds),
+        lifespan="on", access_log=False, log_config=None, log_level=settings.log_level,
         timeout_graceful_shutdown=2,  # after the drain (shoal.draining)
         timeout_keep_alive=settings.keep_alive_seconds)
 

@@ -1,0 +1,127 @@
+"""A connection that does not finish a request's headers within
+request_header_seconds is closed.
+
+uvicorn starts its keep-alive clock only after a response, so a connection that
+sent nothing, or part of a request's headers, was held for ever: each an fd of
+the server's, and a few hundred left it unable to accept or start sandboxes.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from urllib.parse import urlsplit
+
+import pytest
+
+HEADER_SECONDS = 2
+KEEP_ALIVE_SECONDS = 5
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def deadline_server(server_factory):
+    return server_factory(request_header_seconds=HEADER_SECONDS,
+                          keep_alive_seconds=KEEP_ALIVE_SECONDS, pool_size=1)
+
+
+def _connect(server) -> socket.socket:
+    address = urlsplit(server.url)
+    return socket.create_connection((address.hostname, address.port), timeout=30)
+
+
+def _response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One response's head and body (by its content-length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a response: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head, body
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> tuple[bytes, float]:
+    """What the server sent up to its close, and when the close came (monotonic);
+    fails if the connection is still open after ``seconds``."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except socket.timeout:
+        pytest.fail(f"still open after {seconds}s, having sent {data!r}")
+    except ConnectionResetError:
+        pass
+    return data, time.monotonic()
+
+
+def test_a_connection_that_does_not_finish_its_headers_is_closed(deadline_server):
+    opened = time.monotonic()
+    silent = _connect(deadline_server)
+    half = _connect(deadline_server)
+    half.sendall(b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-")
+
+    # Meanwhile a slow but complete request: its headers in pieces within the
+    # deadline, its body after the deadline has passed (it bounds headers only).
+    slow = _connect(deadline_server)
+    body = b'{"tool": "code_execution", "input": {"code": "1"}}'
+    head = (b"POST /sessions/nonexistent/exec HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+    for start in range(0, len(head), len(head) // 5 + 1):
+        slow.sendall(head[start:start + len(head) // 5 + 1])
+        time.sleep(HEADER_SECONDS / 10)
+    time.sleep(HEADER_SECONDS * 0.75)
+    slow.sendall(body)
+    status, _ = _response(slow)
+    assert status.startswith(b"HTTP/1.1 404"), status  # served: no such session
+    slow.sendall(HEALTH)  # and kept alive
+    assert _response(slow)[0].startswith(b"HTTP/1.1 200")
+    slow.close()
+
+    # A plain request on another connection is served meanwhile.
+    with deadline_server.client() as client:
+        assert client.get("/health").status_code == 200
+
+    sent, closed = _closed_within(silent, HEADER_SECONDS * 3)
+    assert sent == b""  # sent nothing: closed as an idle connection is
+    assert closed - opened >= HEADER_SECONDS * 0.9
+    sent, closed = _closed_within(half, HEADER_SECONDS * 3)
+    assert sent.startswith(b"HTTP/1.1 408 "), sent
+    assert b"connection: close" in sent.lower()
+    silent.close()
+    half.close()
+
+
+def test_a_kept_alive_connection_stalling_in_its_next_headers_is_closed(deadline_server):
+    stalled, blank, idle = (_connect(deadline_server) for _ in range(3))
+    for sock in (stalled, blank, idle):
+        sock.sendall(HEALTH)
+        assert _response(sock)[0].startswith(b"HTTP/1.1 200")
+    answered = time.monotonic()
+    stalled.sendall(b"GET /health HTTP/1.1\r\nHo")
+    # A bare CRLF begins no request (the parser skips it) but cancels uvicorn's
+    # keep-alive timer: the header clock must start on it all the same.
+    blank.sendall(b"\r\n")
+
+    sent, closed = _closed_within(stalled, HEADER_SECONDS * 3)
+    assert sent.startswith(b"HTTP/1.1 408 "), sent
+    assert HEADER_SECONDS * 0.9 <= closed - answered < KEEP_ALIVE_SECONDS
+    sent, closed = _closed_within(blank, HEADER_SECONDS * 3)
+    assert sent == b""
+    assert HEADER_SECONDS * 0.9 <= closed - answered < KEEP_ALIVE_SECONDS
+
+    # An idle kept-alive connection is still kept for keep_alive_seconds, not
+    # request_header_seconds: it takes another request past the header deadline.
+    idle.sendall(HEALTH)
+    assert _response(idle)[0].startswith(b"HTTP/1.1 200")
+    kept = time.monotonic()
+    sent, closed = _closed_within(idle, KEEP_ALIVE_SECONDS * 3)
+    assert sent == b""
+    assert closed - kept >= KEEP_ALIVE_SECONDS * 0.9
+    for sock in (stalled, blank, idle):
+        sock.close()
