@@ -105,6 +105,7 @@ def _check(args: argparse.Namespace) -> int:
         return 1
     print("isolation: bubblewrap, seccomp, cgroups and the runtime are all available")
     print(_open_files_line(settings))
+    print(_connections_line(settings))
     if settings.launcher == "bwrap":
         print("launcher: bwrap (chosen by the setting)")
         return 0
@@ -140,6 +141,21 @@ def _open_files_line(settings) -> str:
     return (f"open files: fs.file-max {table} is less than {settings.max_sessions} sandboxes "
             f"may hold ({per_sandbox} each): a few could leave the host none; raise it "
             f"(sysctl -w fs.file-max={wanted}: open files are charged to each sandbox's memory)")
+
+
+def _connections_line(settings) -> str:
+    """Whether the open-file limit serve would raise itself to (this shell's hard
+    limit; a service's is its unit's LimitNOFILE) holds max_connections."""
+    import resource
+
+    from .server import open_files_shortfall
+
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    shortfall = open_files_shortfall(settings, limit)
+    if shortfall:
+        return f"connections: {shortfall}"
+    return (f"connections: the open-file limit {limit} holds max_connections "
+            f"({settings.max_connections}) and the sandboxes' share")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -66,6 +66,16 @@ class Settings(BaseSettings):
                                           "began one), like nginx's client_header_timeout: "
                                           "one that sends nothing costs the server a file "
                                           "descriptor and needs no token.")
+    max_connections: int = Field(4096, ge=1, description="Client connections open at "
+                                 "most: one past it is closed at once, and a request made "
+                                 "with this many open (its own among them), or this many "
+                                 "requests in progress, is answered 503 and its connection "
+                                 "closed. Each is a file descriptor: keep it under the "
+                                 "server's open-file limit (raised to its hard limit at "
+                                 "start) less what the sandboxes hold (a few each, up to "
+                                 "max_sessions) and the upstream connections; shoal check "
+                                 "and the start say when it is not. 4096 is far more than "
+                                 "max_sessions' calls and a gateway's connection pool need.")
     operator_tokens: str = Field("", description="Tokens of the operator (not of a tenant): "
                                  "'tok1,tok2' or '@/path/file', one per line. They read /metrics "
                                  "and the details of /health; tenants' tokens do not.")

@@ -1,4 +1,5 @@
-"""Connections that never finish a request's headers: closed after ``request_header_seconds``.
+"""What a client's connections may hold: headers within ``request_header_seconds``,
+and no more than ``max_connections`` open.
 
 uvicorn arms its keep-alive timer only once a response is complete, and cancels
 it on any byte received. A connection that sends nothing, or part of a request's
@@ -16,6 +17,14 @@ made, and on a kept-alive connection from the first byte after its response
 one that had begun a request gets a 408 first, so a slow client learns why.
 Bodies have their own clock (``request_body_idle_seconds``, shoal.api.body_limits).
 
+The deadline alone bounds how long each such connection lasts, not how many
+there are. uvicorn's ``limit_concurrency`` (``max_connections``) answers a
+request 503 once the open connections, its own among them, reach it, but it
+accepts connections without limit and judges them only when their headers are
+complete. So a connection accepted past the cap is closed at once: clients hold
+at most ``max_connections`` of the server's fds, whatever they send, and the
+rest stay its sandboxes'.
+
 The protocol is uvicorn's httptools one with one timer per connection, armed at
 most once per request, the same cost as uvicorn's own keep-alive timer.
 """
@@ -30,13 +39,17 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 log = logging.getLogger("shoal.server")
 
 _TIMED_OUT = b"request headers took too long"
+# Connections refused past the cap are said at most this often: a flood of
+# them would otherwise be a flood of log lines.
+_REFUSAL_LOG_SECONDS = 60.0
 
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, closing a connection whose request's headers
-    do not arrive within ``header_seconds``."""
+    do not arrive within ``header_seconds``, and one made past the cap."""
 
     header_seconds: float = 30.0
+    _refusal_logged: float | None = None  # class-wide: when a refusal was last said
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -45,7 +58,19 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.limit_concurrency is not None and len(self.connections) > self.limit_concurrency:
+            self._refuse()
+            return
         self._arm_header_deadline()
+
+    def _refuse(self) -> None:
+        now = self.loop.time()
+        last = type(self)._refusal_logged
+        if last is None or now - last >= _REFUSAL_LOG_SECONDS:
+            type(self)._refusal_logged = now
+            log.warning("refusing connections: %d are open, max_connections is %d",
+                        len(self.connections) - 1, self.limit_concurrency)
+        self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         # The first bytes after a response start the next request's clock here,

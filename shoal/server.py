@@ -8,6 +8,7 @@ never with a server that runs code unsandboxed.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import resource
 import socket
@@ -62,13 +63,37 @@ def startup_problems(settings: Settings) -> list[str]:
     return found
 
 
-def _raise_fd_limit() -> None:
+def _raise_fd_limit() -> int:
     """Every live sandbox costs the server a few fds (its channel, its pipes):
     take the soft limit up to the hard one, as servers do (systemd's default soft
-    limit, 1024, would cap a busy server at a few hundred sandboxes)."""
+    limit, 1024, would cap a busy server at a few hundred sandboxes). Returns it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+# What the server holds besides its clients' connections, in fds: its own
+# (listener, database, logs) and, per sandbox, its channel and pipes (about 5,
+# measured) with room for its egress; and the gateway's upstream connections.
+_OWN_FDS = 64
+_FDS_PER_SANDBOX = 8
+
+
+def open_files_shortfall(settings: Settings, limit: int) -> str | None:
+    """Why ``limit`` open files cannot hold max_connections beside what the
+    sandboxes need, or None: past the limit the server can neither accept nor
+    start a sandbox, for anyone."""
+    sandboxes = 0 if settings.cluster else settings.max_sessions + settings.pool_size
+    others = _OWN_FDS + _FDS_PER_SANDBOX * sandboxes + settings.upstream_max_connections
+    if settings.max_connections + others <= limit:
+        return None
+    need = (f"the open-file limit {limit} cannot hold max_connections "
+            f"({settings.max_connections}) beside the server's other {others} (sandboxes, "
+            f"upstream connections): raise it (LimitNOFILE=, ulimit -Hn)")
+    if limit - others > 1:
+        need += f" or lower max_connections to {limit - others}"
+    return need
 
 
 def _check_data_dir(settings: Settings) -> None:
@@ -178,11 +203,15 @@ def _run(server: uvicorn.Server, listener: socket.socket, failure: str) -> int:
 
 
 def _uvicorn_config(app, settings: Settings) -> uvicorn.Config:
+    # limit_concurrency: uvicorn answers 503 to a request made with this many
+    # connections open or requests in progress; shoal.connections closes a
+    # connection past it at once.
     return uvicorn.Config(
         app, loop="uvloop", http=header_deadline_protocol(settings.request_header_seconds),
         lifespan="on", access_log=False, log_config=None, log_level=settings.log_level,
         timeout_graceful_shutdown=2,  # after the drain (shoal.draining)
-        timeout_keep_alive=settings.keep_alive_seconds)
+        timeout_keep_alive=settings.keep_alive_seconds,
+        limit_concurrency=settings.max_connections)
 
 
 class _AnnouncingServer(uvicorn.Server):
@@ -200,7 +229,9 @@ class _AnnouncingServer(uvicorn.Server):
 
 def serve(settings: Settings) -> int:
     logs.configure(settings.log_level)
-    _raise_fd_limit()
+    shortfall = open_files_shortfall(settings, _raise_fd_limit())
+    if shortfall:
+        logging.getLogger("shoal.server").warning("%s", shortfall)
     if settings.cluster:
         return serve_front_end(settings)
     found = startup_problems(settings)

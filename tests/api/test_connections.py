@@ -1,5 +1,5 @@
-"""A connection that does not finish a request's headers within
-request_header_seconds is closed.
+"""Connections are bounded: a request's headers have request_header_seconds, and
+past max_connections a connection is closed and a request answered 503.
 
 uvicorn starts its keep-alive clock only after a response, so a connection that
 sent nothing, or part of a request's headers, was held for ever: each an fd of
@@ -8,11 +8,16 @@ the server's, and a few hundred left it unable to accept or start sandboxes.
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 import time
 from urllib.parse import urlsplit
 
 import pytest
+
+from tests.serving import SHOAL
+from tests.uid_slots import uid
 
 HEADER_SECONDS = 2
 KEEP_ALIVE_SECONDS = 5
@@ -125,3 +130,60 @@ def test_a_kept_alive_connection_stalling_in_its_next_headers_is_closed(deadline
     assert closed - kept >= KEEP_ALIVE_SECONDS * 0.9
     for sock in (stalled, blank, idle):
         sock.close()
+
+
+def test_past_max_connections_a_request_is_answered_503_and_closed(server_factory):
+    cap = 20
+    server = server_factory(max_connections=cap, pool_size=1)
+    # uvicorn's limit_concurrency: a request is refused once the open connections,
+    # its own among them, reach the cap; a connection past the cap is not kept.
+    held = [_connect(server) for _ in range(cap - 2)]
+    try:
+        kept = _connect(server)
+        kept.sendall(HEALTH)  # the cap's 19th connection: served, and kept alive
+        assert _response(kept)[0].startswith(b"HTTP/1.1 200")
+        held.append(kept)
+        at_cap = _connect(server)  # the 20th: accepted
+        held.append(at_cap)
+        over = _connect(server)  # the 21st: closed at once, whatever it would send
+        sent, _ = _closed_within(over, 10)
+        over.close()
+        assert sent == b""
+        assert f"refusing connections: {cap} are open, max_connections is {cap}" in server.log()
+        at_cap.sendall(HEALTH)
+        sent, _ = _closed_within(at_cap, 10)  # answered, then closed: not held
+        assert sent.startswith(b"HTTP/1.1 503 "), sent
+        assert b"connection: close" in sent.lower()
+        # The kept-alive connection under the cap is served still.
+        kept.sendall(HEALTH)
+        assert _response(kept)[0].startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in held:
+            sock.close()
+    # Once they close, everyone is served again.
+    deadline = time.monotonic() + 10
+    with server.client() as client:
+        while (status := client.get("/health").status_code) != 200:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.1)
+        assert client.post("/sessions", json={}).status_code == 201
+
+
+@pytest.mark.parametrize("max_connections, fits", [("4096", False), ("500", True)])
+def test_shoal_check_says_whether_the_open_file_limit_holds_max_connections(
+        tmp_path, max_connections, fits):
+    """Past the open-file limit the server can neither accept nor start a sandbox:
+    check says whether max_connections fits beside the sandboxes' share."""
+    args = ["prlimit", "--nofile=2000:2000", str(SHOAL), "check",
+            "--data-dir", str(tmp_path / "data"), "--run-dir", str(tmp_path / "run"),
+            "--uid-base", str(uid(591_000)), "--max-connections", max_connections]
+    kept = {name: os.environ[name] for name in ("PYTHONPATH",) if name in os.environ}
+    outcome = subprocess.run(args, capture_output=True, text=True, timeout=120,
+                             env={"PATH": "/usr/bin:/bin", **kept})
+    assert outcome.returncode == 0, outcome.stderr
+    (line,) = [line for line in outcome.stdout.splitlines() if line.startswith("connections:")]
+    if fits:
+        assert "the open-file limit 2000 holds max_connections (500)" in line, line
+    else:
+        assert "the open-file limit 2000 cannot hold max_connections (4096)" in line, line
+        assert "lower max_connections to 880" in line, line
