@@ -55,7 +55,7 @@ def test_a_stream_its_client_stops_reading_is_cut(server_factory):
     server = server_factory(response_stall_seconds=1, output_cap_bytes=16 * MiB, pool_size=1)
     sock = _open_run_stream(server, LOUD)
     try:
-        time.sleep(5)  # reading nothing, connected
+        time.sleep(3)  # reading nothing, connected: the stall (1 s) and the sweep (0.25 s) pass
         received = _read_until_closed(sock)
     finally:
         sock.close()
