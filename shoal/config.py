@@ -181,6 +181,11 @@ class Settings(BaseSettings):
     gateway_max_round_trips: int = Field(10, ge=1, le=100, description="Sandbox round trips one "
                                          "gateway request may make before it pauses "
                                          "(pause_turn); the client's next request continues.")
+    gateway_paused_bytes: int = Field(256 * MiB, ge=0, description="Bytes the paused "
+                                      "/v1/responses kept in memory may hold together (each "
+                                      "its conversation, for a client that answers with the "
+                                      "full input instead of previous_response_id); one "
+                                      "tenant's hold half. Past it the oldest are forgotten.")
     tenant_max_gateway_requests: int = Field(32, ge=0, description="Gateway requests "
                                              "(/v1/messages, /v1/responses, pass-through too) "
                                              "one tenant may have in flight; more answer 429. "

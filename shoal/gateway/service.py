@@ -48,6 +48,7 @@ class _PausedResponse:
     use: ToolUse
     call_ids: list[str]
     state: dict
+    size: int = 0  # about what its state holds, in bytes (its JSON)
 
     def stored(self) -> dict:
         return {"run_id": self.run_id, "use_id": self.use.id, "use_name": self.use.name,
@@ -60,7 +61,10 @@ class _PausedResponse:
 
 
 # Paused responses remembered by call id, for clients that answer with the full
-# input instead of previous_response_id; the oldest are forgotten first.
+# input instead of previous_response_id; the oldest are forgotten first, past a
+# count and past gateway_paused_bytes: each holds its conversation (a request's
+# input may be tens of MiB), and 1,024 of them held 68 GiB at most. One tenant's
+# may hold half the bytes, so that its flood does not push every other tenant's out.
 _PAUSED_KEPT = 1024
 
 
@@ -84,6 +88,8 @@ class Gateway:
         # Paused responses by (tenant, call id): a request that answers one with
         # the full input instead of previous_response_id still finds it.
         self._paused: dict[tuple[str, str], _PausedResponse] = {}
+        self._paused_order: dict[int, _PausedResponse] = {}  # by id(), oldest first
+        self._paused_bytes: dict[str, int] = {}  # by tenant
         # Requests in flight by tenant: a model call may hold its connection for
         # minutes, and one tenant's many must not hold every other tenant's too.
         self._in_flight: dict[str, int] = {}
@@ -299,11 +305,39 @@ class Gateway:
                 "output": json.dumps(record, ensure_ascii=False)}
 
     def _remember(self, entry: _PausedResponse) -> None:
+        budget = self.settings.gateway_paused_bytes
+        entry.size = len(json.dumps(entry.state, ensure_ascii=False, default=str))
+        if entry.size > budget // 2:
+            log.info("a paused response of %d bytes is not kept for a full-input answer "
+                     "(previous_response_id still finds it)", entry.size)
+            return
         for call_id in entry.call_ids:
-            self._paused.pop((entry.tenant, call_id), None)
+            replaced = self._paused.pop((entry.tenant, call_id), None)
+            if replaced is not None and replaced is not entry and not any(
+                    self._paused.get((replaced.tenant, c)) is replaced for c in replaced.call_ids):
+                self._forget(replaced)
             self._paused[(entry.tenant, call_id)] = entry
-        while len(self._paused) > _PAUSED_KEPT:
-            self._paused.pop(next(iter(self._paused)))
+        self._paused_order[id(entry)] = entry
+        self._paused_bytes[entry.tenant] = self._paused_bytes.get(entry.tenant, 0) + entry.size
+        while self._paused_order and (
+                len(self._paused_order) > _PAUSED_KEPT
+                or sum(self._paused_bytes.values()) > budget
+                or self._paused_bytes.get(entry.tenant, 0) > budget // 2):
+            mine = [e for e in self._paused_order.values() if e.tenant == entry.tenant]
+            over_share = self._paused_bytes.get(entry.tenant, 0) > budget // 2
+            self._forget(mine[0] if over_share else next(iter(self._paused_order.values())))
+
+    def _forget(self, entry: _PausedResponse) -> None:
+        if self._paused_order.pop(id(entry), None) is None:
+            return
+        for call_id in entry.call_ids:
+            if self._paused.get((entry.tenant, call_id)) is entry:
+                del self._paused[(entry.tenant, call_id)]
+        left = self._paused_bytes[entry.tenant] - entry.size
+        if left:
+            self._paused_bytes[entry.tenant] = left
+        else:
+            del self._paused_bytes[entry.tenant]
 
     async def store_response(self, session: "ResponsesSession") -> None:
         adapter = session.adapter

@@ -722,6 +722,44 @@ def test_caronte_resume_with_the_full_input(upstream, openai_client):
     assert_outputs_answered(upstream.requests[1].body)
 
 
+def test_paused_responses_kept_for_full_input_answers_are_bounded_per_tenant(
+        upstream, gateway_factory):
+    # Each paused response was kept in memory with its conversation, never let go
+    # but by count (1,024): tens of MiB each at most. Now their bytes are bounded,
+    # and one tenant's hold half: its flood forgets its own, not another tenant's.
+    server = gateway_factory(gateway_paused_bytes=400_000, max_sessions=8)
+    tools = [PRICE_TOOL, {"type": "caronte:code_execution", "allowed_tools": ["lookup_price"]}]
+    clients = {token: openai.OpenAI(base_url=server.url + "/v1", api_key=token, max_retries=0)
+               for token in (CLIENT_TOKEN, OTHER_TOKEN)}
+
+    def pause(token: str) -> tuple[dict, object]:
+        upstream.reset()
+        upstream.script(paused_turns()[0])
+        question = {"role": "user", "content": "What does A1 cost? " + "x" * 120_000}
+        paused = clients[token].responses.create(model=MODEL, input=[question], tools=tools,
+                                                 store=False)
+        return question, paused
+
+    def answer(token: str, question: dict, paused, kept: bool = True) -> str:
+        upstream.reset()
+        upstream.script(paused_turns()[1] if kept else openai_turn(message("not kept")))
+        call = only(paused, "function_call")
+        return clients[token].responses.create(
+            model=MODEL, tools=tools,
+            input=[question, *[item.model_dump(exclude_none=True) for item in paused.output],
+                   {"type": "function_call_output", "call_id": call.call_id,
+                    "output": json.dumps({"price": 7})}]).output_text
+
+    theirs = pause(OTHER_TOKEN)
+    first, second = pause(CLIENT_TOKEN), pause(CLIENT_TOKEN)  # past one tenant's 200 kB
+    # The other tenant's is still found with the full input: its run resumes.
+    assert answer(OTHER_TOKEN, *theirs) == "The code printed: price 7"
+    assert answer(CLIENT_TOKEN, *second) == "The code printed: price 7"
+    # This tenant's oldest was forgotten: its answer reaches the model as it came.
+    assert answer(CLIENT_TOKEN, *first, kept=False) == "not kept"
+    assert upstream.requests[0].body["input"][-1]["call_id"] == only(first[1], "function_call").call_id
+
+
 def test_paused_run_never_resumed_is_reclaimed_and_its_container_kept(upstream, tight_gateway):
     client = openai.OpenAI(base_url=tight_gateway.url + "/v1", api_key=CLIENT_TOKEN, max_retries=0)
     container = client.containers.create(name="reclaimed")
