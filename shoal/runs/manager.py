@@ -65,6 +65,9 @@ def distinct_file_ids(file_ids: list[str]) -> list[str]:
     return distinct
 
 
+_NO_TOOLS = Grant([], [])
+
+
 class UnknownRun(LookupError):
     """No run with that id exists for this tenant."""
 
@@ -452,6 +455,14 @@ class RunManager:
         run.duration_ms = int((time.perf_counter() - run.started) * 1000)
         if run.tools is not None:
             run.tools.fail_all("the run ended")
+        # What only a running run needs goes: a finished one is kept for replay
+        # (run_logs_kept of them), and its declared tools (128 schemas, up to a
+        # request's size) with their compiled validators were kept with it,
+        # outside the bytes counted (30 runs held 474 MiB).
+        run.request.tools = []
+        run.grant = _NO_TOOLS
+        if run.tools is not None:
+            run.tools.grant = _NO_TOOLS
         record = run.record()
         run.log.append(*_end_event(record))
         # The stream ends here, so the run is over for its tenant, who may start
