@@ -114,6 +114,7 @@ class _Owned:
 
     uid: int
     rate: _Rate
+    scope: str = ""  # whose traffic it counts (shoal_egress_* in /metrics)
     tasks: set = field(default_factory=set)
 
 
@@ -221,6 +222,11 @@ class EgressBroker:
             for task in owned.tasks:
                 task.cancel()
             del self._open[owner]
+            # Its traffic too, unless a live lease counts into it (a container's
+            # next sandbox): /metrics shows live scopes only, and a server never
+            # scraped kept one entry per session that ever connected.
+            if not any(other.scope == owned.scope for other in self._open.values()):
+                self.traffic.pop(owned.scope, None)
 
     # -- one connection ----------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -233,10 +239,11 @@ class EgressBroker:
             writer.close()
             self._tasks.discard(task)
             return
-        traffic = self.traffic[grant.container_id or f"uid:{uid}"]
+        scope = grant.container_id or f"uid:{uid}"
+        traffic = self.traffic[scope]
         owned = self._open.get(owner)
         if owned is None:
-            owned = self._open[owner] = _Owned(uid, _Rate(self._bytes_per_second))
+            owned = self._open[owner] = _Owned(uid, _Rate(self._bytes_per_second), scope)
         if len(owned.tasks) >= self._max_connections:
             traffic.refused += 1
             try:

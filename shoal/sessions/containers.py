@@ -334,6 +334,9 @@ class ContainerManager:
             await self._stop_here(key)
             self._records.pop(key, None)
             self._touch_written.pop(key, None)
+            # One made anew under its id has not had a sandbox here; and without
+            # this the set kept every container that ever had one.
+            self._started_here.discard(key)
             # This container, by its creation time: never one made anew under its id.
             stored = await self.metadata.get_container(record.tenant, record.id)
             if (stored is None or stored.created_at != record.created_at

@@ -14,6 +14,7 @@ import abc
 import hashlib
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import BinaryIO
 
@@ -135,7 +136,9 @@ class LocalFileStore(FileStore):
         # One lock per volume: making it (image, mount, its directories) is one
         # step to anyone opening it, who would otherwise find the image made and
         # mounted but its directories not yet there.
-        self._locks: dict[Path, threading.Lock] = {}
+        # Weak: a lock lasts while someone holds it (one per container ever
+        # touched was kept for the server's life).
+        self._locks: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._locks_lock = threading.Lock()
         for directory in (self._images, self._uploads):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -151,7 +154,10 @@ class LocalFileStore(FileStore):
 
     def _lock(self, volume: Volume) -> threading.Lock:
         with self._locks_lock:
-            return self._locks.setdefault(volume.image, threading.Lock())
+            lock = self._locks.get(volume.image)
+            if lock is None:
+                lock = self._locks[volume.image] = threading.Lock()
+            return lock
 
     def create(self, tenant: str, container_id: str) -> SandboxHome:
         volume = self.volume(tenant, container_id)
