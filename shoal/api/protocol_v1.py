@@ -220,14 +220,17 @@ def _streamed_exec(request: Request, session: Session, kind: str, tool: str, pay
     """The call runs on its own; the stream follows its events: ``output`` as it
     prints, then ``result`` carrying exactly the envelope the JSON answer would.
     A client that goes away stops nothing (the call's effects are the session's)."""
-    log = EventLog()
+    # A run's budget: code can send its output a character at a time, each an
+    # event; past it output events are left out (the result still carries it all).
+    log = EventLog(request.app.state.settings.run_log_bytes)
     metrics = request.app.state.metrics
 
     async def run() -> None:
         try:
             result = await session.run(
                 tool, payload, timeout,
-                lambda stream, text: log.append("output", {"stream": stream, "text": text}))
+                lambda stream, text: log.append("output", {"stream": stream, "text": text},
+                                                bounded=True))
             metrics.observe_exec(kind, result)
             log.append("result", render_exec(kind, tool_use_id, result))
         except Exception as exc:  # noqa: BLE001 - the stream says what happened

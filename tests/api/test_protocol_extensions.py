@@ -107,6 +107,31 @@ def test_a_streamed_exec_cut_off_says_so_as_the_json_answer_would(http, session)
                                                                  "ran"), error
 
 
+def test_a_streamed_execs_events_are_held_to_the_run_log_budget(server_factory):
+    # Code runs in the agent's process and can send output frames of one
+    # character each: every one was an event held in the stream's log, ~230
+    # bytes of host memory per byte of output (1 MB of it took 227 MiB), with no
+    # bound. The log has a run's budget now; the result still carries it all.
+    server = server_factory(run_log_bytes=1 << 20, pool_size=1)
+    frames = 20_000
+    code = ("import gc\n"
+            "agent = next(o for o in gc.get_objects()\n"
+            "             if type(o).__name__ == 'Agent' and hasattr(o, '_current'))\n"
+            f"for _ in range({frames}):\n"
+            "    agent.send({'id': agent._current, 'type': 'out', 'stream': 'stdout', 'data': 'x'})\n")
+    with server.client() as http:
+        session = http.post("/sessions", json={}).json()["session_id"]
+        events = []
+        body = {"tool": "code_execution", "input": {"code": code}}
+        with connect_sse(http, "POST", f"/sessions/{session}/exec", json=body) as source:
+            events = [(sse.event, sse.data) for sse in source.iter_sse()]
+        outputs = [data for event, data in events if event == "output"]
+        assert events[-1][0] == "result", events[-1]
+        assert json.loads(events[-1][1])["result_block"]["content"]["stdout"] == "x" * frames
+        assert 0 < len(outputs) < frames // 2  # the rest past the budget, left out
+        http.delete(f"/sessions/{session}")
+
+
 def test_without_the_header_nothing_changes(http, session, schema_errors):
     response = exec_code(http, session, "print(1)")
     assert response.headers["content-type"].startswith("application/json")
