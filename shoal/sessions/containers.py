@@ -50,6 +50,12 @@ _TOUCH_WRITE_SECONDS = 5.0
 _STALE_COPIES_PER_ROUND = 8
 
 
+# A retired container's row answers 404 as a missing one does; kept a day (a
+# front end still holding the container learns of it), then removed: a client
+# that creates and deletes containers in a loop added rows without end.
+RETIRED_ROWS_KEPT_SECONDS = 86400.0
+_FORGET_RETIRED_EVERY_SECONDS = 60.0
+
 class UnknownContainer(LookupError):
     """No active container with that id exists for this tenant."""
 
@@ -105,6 +111,7 @@ class ContainerManager:
         self._live: dict[tuple[str, str], _Live] = {}
         self._starting: dict[tuple[str, str], asyncio.Future] = {}
         self._started_here: set[tuple[str, str]] = set()
+        self._forgot_retired_at = 0.0  # monotonic: the last purge of retired rows
         self._touch_written: dict[tuple[str, str], float] = {}
         self._records: dict[tuple[str, str], ContainerRecord] = {}
         self._creating: dict[tuple[str, str], asyncio.Lock] = {}
@@ -529,6 +536,12 @@ class ContainerManager:
                 continue  # in use: a session's activity keeps it alive
             log.info("container %s expired", record.id)
             await self._retire(current, "expired")
+        if now - self._forgot_retired_at >= _FORGET_RETIRED_EVERY_SECONDS:
+            self._forgot_retired_at = now
+            forgotten = await self.metadata.forget_retired_containers(
+                time.time() - RETIRED_ROWS_KEPT_SECONDS)
+            if forgotten:
+                log.info("forgot %d containers retired more than a day ago", forgotten)
 
     async def _drop_stale_copies(self) -> None:
         """Cluster mode: this host's copies of containers it does not hold, dropped

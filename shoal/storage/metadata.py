@@ -128,6 +128,11 @@ class MetadataStore(abc.ABC):
     async def drop_placement(self, tenant: str, container_id: str) -> None: ...
 
     @abc.abstractmethod
+    async def forget_retired_containers(self, active_before: float) -> int:
+        """Remove the rows of retired containers last active before a time (a
+        missing row reads as a retired one: 404); how many were removed."""
+
+    @abc.abstractmethod
     async def retire_container(self, record: ContainerRecord, status: str) -> bool:
         """Set the status of exactly this container (its id *and* creation time) if
         it is still active; whether it was. A container created anew under the

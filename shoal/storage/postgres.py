@@ -181,6 +181,12 @@ class PostgresMetadataStore(MetadataStore):
         await self.pool.execute("DELETE FROM placements WHERE tenant = $1 AND id = $2",
                                 tenant, container_id)
 
+    async def forget_retired_containers(self, active_before: float) -> int:
+        status = await self.pool.execute(
+            "DELETE FROM containers WHERE status <> 'active' AND last_active_at < $1",
+            active_before)
+        return int(status.split()[-1])
+
     async def retire_container(self, record: ContainerRecord, status: str) -> bool:
         done = await self.pool.execute(
             "UPDATE containers SET status = $1 WHERE tenant = $2 AND id = $3 AND created_at = $4 "

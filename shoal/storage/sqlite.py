@@ -302,6 +302,13 @@ class SqliteMetadataStore(MetadataStore):
                               (tenant, container_id))
         await self.db.commit()
 
+    async def forget_retired_containers(self, active_before: float) -> int:
+        cursor = await self.db.execute(
+            "DELETE FROM containers WHERE status <> 'active' AND last_active_at < ?",
+            (active_before,))
+        await self.db.commit()
+        return cursor.rowcount
+
     async def retire_container(self, record: ContainerRecord, status: str) -> bool:
         cursor = await self.db.execute(
             "UPDATE containers SET status = ? WHERE tenant = ? AND id = ? AND created_at = ? "

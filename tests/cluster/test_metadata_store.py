@@ -86,6 +86,26 @@ async def test_create_container_replaces_only_a_container_that_is_gone(store):
     assert (await store.get_container("alpha", "cnt_live")).name == "box"
 
 
+async def test_retired_containers_are_forgotten_after_their_grace(store):
+    # Retired rows were kept for ever: creating and deleting containers in a
+    # loop grew the table without end.
+    day_ago = time.time() - 86400
+    old = container(id="cnt_old_retired", last_active_at=day_ago - 10)
+    recent = container(id="cnt_recent_retired")
+    live = container(id="cnt_idle_live", last_active_at=day_ago - 10, expires_after_minutes=10**6)
+    for record in (old, recent, live):
+        await store.put_container(record)
+    assert await store.retire_container(old, "deleted") is True
+    assert await store.retire_container(recent, "expired") is True
+    assert await store.forget_retired_containers(day_ago) == 1
+    assert await store.get_container("alpha", "cnt_old_retired") is None
+    assert (await store.get_container("alpha", "cnt_recent_retired")).status == "expired"
+    assert (await store.get_container("alpha", "cnt_idle_live")).status == "active"
+    assert await store.forget_retired_containers(day_ago) == 0
+    # The id is free: a container made anew under it is an ordinary one.
+    assert await store.create_container(container(id="cnt_old_retired")) is True
+
+
 async def test_retire_container_retires_only_that_container(store):
     first = container(id="cnt_r")
     await store.put_container(first)
