@@ -152,6 +152,11 @@ class Settings(BaseSettings):
                                "its end always goes in). A tool call that would pass it fails "
                                "in the code with a ToolError, unannounced; output past it is "
                                "left out of the stream (the run's end still carries it).")
+    tenant_max_stored_run_bytes: int = Field(1024 * MiB, ge=MiB, description="Bytes one "
+                                             "tenant's stored run records (each with its "
+                                             "output) may take in the metadata store; past "
+                                             "it its oldest are forgotten before their "
+                                             "retention ends (GET answers 404 for them).")
     run_logs_kept: int = Field(256, ge=0, description="Finished runs whose event logs stay in "
                                "memory for replay; an older run is replayed from its record "
                                "(its start and its end, with their ids).")

@@ -199,6 +199,9 @@ class RunManager:
         self._finished_logs: dict[str, Run] = {}
         self._finished_bytes = 0
         self._reaper: asyncio.Task | None = None
+        # Bytes each tenant stored since its records were last trimmed: the sum
+        # is read from the store once per a sixteenth of the bound, not per run.
+        self._stored_since_trim: dict[str, int] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start_reaper(self) -> None:
@@ -480,11 +483,27 @@ class RunManager:
         self._live.pop(run.id, None)
         self._keep_log(run)
         try:
-            await self.sessions.metadata.put_run(RunRecord(
+            stored = await self.sessions.metadata.put_run(RunRecord(
                 tenant=run.tenant, id=run.id, container_id=run.container_id, status=run.status,
                 created_at=run.created_at, body={**record, _LAST_EVENT_ID: run.log.last_id}))
+            await self._bound_stored(run.tenant, stored)
         except Exception:  # noqa: BLE001 - the in-memory record still answers for a while
             log.exception("could not store run %s", run.id)
+
+    async def _bound_stored(self, tenant: str, stored: int) -> None:
+        """Hold a tenant's stored records to tenant_max_stored_run_bytes: each keeps
+        its output (up to 2 MiB), and one tenant running code in a loop stored
+        80 MiB in 5 s, terabytes a day for the retention to catch up with."""
+        bound = self.settings.tenant_max_stored_run_bytes
+        since = self._stored_since_trim.get(tenant, 0) + stored
+        if since < bound // 16:
+            self._stored_since_trim[tenant] = since
+            return
+        self._stored_since_trim.pop(tenant, None)
+        forgotten = await self.sessions.metadata.trim_runs(tenant, bound)
+        if forgotten:
+            log.info("forgot %d of a tenant's oldest run records: its records passed %d bytes",
+                     forgotten, bound, extra={"tenant": tenant})
 
     def _keep_log(self, run: Run) -> None:
         """Keep the finished run for replay, within the count and the bytes kept

@@ -200,8 +200,13 @@ class MetadataStore(abc.ABC):
 
     # -- runs --------------------------------------------------------------------------
     @abc.abstractmethod
-    async def put_run(self, record: RunRecord) -> None:
-        """Insert or replace."""
+    async def put_run(self, record: RunRecord) -> int:
+        """Insert or replace; the bytes it takes, as stored."""
+
+    @abc.abstractmethod
+    async def trim_runs(self, tenant: str, keep_bytes: int) -> int:
+        """Forget a tenant's oldest run records until the rest take at most
+        ``keep_bytes``; how many were removed."""
 
     @abc.abstractmethod
     async def get_run(self, tenant: str, run_id: str) -> RunRecord | None: ...

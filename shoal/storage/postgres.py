@@ -27,8 +27,8 @@ import asyncpg
 from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
                        UploadRecord)
 # One schema, one version sequence, one mapping of rows to records, for both stores.
-from .sqlite import (_FILE_COLUMNS, _MIGRATIONS, _TAKE_OVER, SCHEMA_VERSION, SchemaTooNew,
-                     _container, _file, _response_texts, _upload)
+from .sqlite import (_FILE_COLUMNS, _MIGRATIONS, _TAKE_OVER, _TRIM_RUNS, SCHEMA_VERSION,
+                     SchemaTooNew, _container, _file, _response_texts, _upload)
 
 _LOCK_KEY = 0x5E0A1  # pg_advisory_xact_lock: one migrator at a time
 # pg_advisory_xact_lock(_UPLOADS_LOCK, hashtext(tenant)): one upload of a tenant is
@@ -295,14 +295,26 @@ class PostgresMetadataStore(MetadataStore):
                                 tenant, upload_id)
 
     # -- runs --------------------------------------------------------------------------
-    async def put_run(self, record: RunRecord) -> None:
+    async def put_run(self, record: RunRecord) -> int:
+        body = json.dumps(record.body, ensure_ascii=False)
+        size = len(body.encode())
         await self.pool.execute(
-            "INSERT INTO runs (tenant, id, container_id, status, created_at, body) "
-            "VALUES ($1,$2,$3,$4,$5,$6) ON CONFLICT (tenant, id) DO UPDATE SET "
+            "INSERT INTO runs (tenant, id, container_id, status, created_at, body, bytes) "
+            "VALUES ($1,$2,$3,$4,$5,$6,$7) ON CONFLICT (tenant, id) DO UPDATE SET "
             "container_id = EXCLUDED.container_id, status = EXCLUDED.status, "
-            "created_at = EXCLUDED.created_at, body = EXCLUDED.body",
+            "created_at = EXCLUDED.created_at, body = EXCLUDED.body, bytes = EXCLUDED.bytes",
             record.tenant, record.id, record.container_id, record.status, record.created_at,
-            json.dumps(record.body, ensure_ascii=False))
+            body, size)
+        return size
+
+    async def trim_runs(self, tenant: str, keep_bytes: int) -> int:
+        total = await self.pool.fetchval(
+            "SELECT COALESCE(SUM(bytes), 0) FROM runs WHERE tenant = $1", tenant)
+        if total <= keep_bytes:
+            return 0
+        status = await self.pool.execute(_TRIM_RUNS.format("$1", "$2"), tenant,
+                                         total - keep_bytes)
+        return int(status.split()[-1])
 
     async def get_run(self, tenant: str, run_id: str) -> RunRecord | None:
         row = await self.pool.fetchrow("SELECT tenant, id, container_id, status, created_at, body "

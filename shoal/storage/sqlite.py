@@ -113,8 +113,20 @@ _MIGRATIONS = (
     """
     ALTER TABLE container_files ADD COLUMN modified_ns BIGINT NOT NULL DEFAULT 0;
     """,
+    # 7: each run record's size, for its tenant's bound on stored records, and
+    # an index that sums a tenant's and finds its oldest without reading bodies.
+    """
+    ALTER TABLE runs ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+    CREATE INDEX IF NOT EXISTS runs_tenant_age ON runs (tenant, created_at, bytes);
+    """,
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
+# A tenant's oldest run records, as many as add up to the excess (the last
+# parameter): each row whose records before it fall short of it.
+_TRIM_RUNS = """DELETE FROM runs WHERE tenant = {0} AND id IN (
+    SELECT id FROM (SELECT id, bytes, SUM(bytes) OVER (ORDER BY created_at, id) AS running
+                    FROM runs WHERE tenant = {0}) AS oldest
+    WHERE running - bytes < {1})"""
 
 
 class SchemaTooNew(RuntimeError):
@@ -412,12 +424,25 @@ class SqliteMetadataStore(MetadataStore):
         await self._write("DELETE FROM uploads WHERE tenant = ? AND id = ?", (tenant, upload_id))
 
     # -- runs --------------------------------------------------------------------------
-    async def put_run(self, record: RunRecord) -> None:
+    async def put_run(self, record: RunRecord) -> int:
+        body = json.dumps(record.body, ensure_ascii=False)
+        size = len(body.encode())
         await self._write(
-            "INSERT OR REPLACE INTO runs (tenant, id, container_id, status, created_at, body) "
-            "VALUES (?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO runs (tenant, id, container_id, status, created_at, body, "
+            "bytes) VALUES (?,?,?,?,?,?,?)",
             (record.tenant, record.id, record.container_id, record.status, record.created_at,
-             json.dumps(record.body, ensure_ascii=False)))
+             body, size))
+        return size
+
+    async def trim_runs(self, tenant: str, keep_bytes: int) -> int:
+        total = (await self._rows("SELECT COALESCE(SUM(bytes), 0) FROM runs WHERE tenant = ?",
+                                  (tenant,)))[0][0]
+        if total <= keep_bytes:
+            return 0
+        cursor = await self.db.execute(_TRIM_RUNS.format("?", "?"),
+                                       (tenant, tenant, total - keep_bytes))
+        await self.db.commit()
+        return cursor.rowcount
 
     async def get_run(self, tenant: str, run_id: str) -> RunRecord | None:
         rows = await self._rows("SELECT tenant, id, container_id, status, created_at, body "

@@ -350,6 +350,31 @@ def test_a_result_that_never_comes_fails_the_call_after_the_wait_ceiling(http):
     assert time.monotonic() - started >= TOOL_WAIT_SECONDS
 
 
+def test_a_tenants_stored_run_records_are_held_to_its_bound(server_factory):
+    # Each stored record keeps the run's output; one tenant running code in a
+    # loop stored 80 MiB in 5 s, for a day. Past its bound its oldest go.
+    server = server_factory(tokens="tok-a=a,tok-b=b", tenant_max_stored_run_bytes=1 << 20,
+                            run_logs_kept=0, pool_size=1)
+    loud = "print('x' * 300_000)"
+
+    def run(http) -> str:
+        events = collect(http, code=loud)
+        run_id = final(events)["runId"]
+        deadline = time.monotonic() + 30  # stored once the stream has ended
+        while http.get(f"/v1/code-execution/runs/{run_id}").status_code != 200:
+            assert time.monotonic() < deadline, "the run was never stored"
+            time.sleep(0.05)
+        return run_id
+
+    with server.client("tok-a") as mine, server.client("tok-b") as theirs:
+        their_run = run(theirs)
+        my_runs = [run(mine) for _ in range(5)]
+        kept = [mine.get(f"/v1/code-execution/runs/{r}").status_code for r in my_runs]
+        assert kept[-3:] == [200, 200, 200] and 404 in kept[:2], kept
+        answer = theirs.get(f"/v1/code-execution/runs/{their_run}")
+        assert answer.status_code == 200 and answer.json()["stdout"] == "x" * 300_000 + "\n"
+
+
 def test_after_a_call_goes_unanswered_the_runs_later_calls_fail_at_once(http):
     # Code that caught each failure and called again waited out the ceiling
     # each time, up to 1,000 calls: 83 hours at the defaults of a sandbox and a

@@ -86,6 +86,24 @@ async def test_create_container_replaces_only_a_container_that_is_gone(store):
     assert (await store.get_container("alpha", "cnt_live")).name == "box"
 
 
+async def test_a_tenants_oldest_run_records_are_trimmed_to_its_bound(store):
+    now = time.time()
+    sizes = {}
+    for index in range(5):
+        record = RunRecord("alpha", f"cexrun_{index}", None, "completed", now + index,
+                           {"stdout": "x" * 1000})
+        sizes[record.id] = await store.put_run(record)
+    other = RunRecord("beta", "cexrun_b", None, "completed", now - 10, {"stdout": "y" * 5000})
+    await store.put_run(other)
+    assert all(size > 1000 for size in sizes.values())
+    keep = sum(sizes.values()) - sizes["cexrun_0"] - 1  # the oldest and one more byte over
+    assert await store.trim_runs("alpha", keep) == 2
+    assert [await store.get_run("alpha", f"cexrun_{i}") is None for i in range(5)] == [
+        True, True, False, False, False]
+    assert await store.get_run("beta", "cexrun_b") == other  # another tenant's, untouched
+    assert await store.trim_runs("alpha", keep) == 0
+
+
 async def test_retired_containers_are_forgotten_after_their_grace(store):
     # Retired rows were kept for ever: creating and deleting containers in a
     # loop grew the table without end.
