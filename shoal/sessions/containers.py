@@ -514,13 +514,23 @@ class ContainerManager:
     async def reap(self) -> None:
         now = time.monotonic()
         idle = [key for key, live in self._live.items()
-                if live.users == 0 and now - live.last_used >= self.settings.container_sandbox_idle_seconds]
+                if live.users == 0 and key not in self._starting
+                and now - live.last_used >= self.settings.container_sandbox_idle_seconds]
+        loop = asyncio.get_running_loop()
         for key in idle:
             live = self._live.pop(key)
             log.info("shutting down idle sandbox of container %s", key[1])
-            await live.sandbox.close()
-            if await self._still_held(key):
-                await asyncio.to_thread(self.files.detach, *key)  # its last snapshot, if kept
+            # A use that comes meanwhile waits for the volume to be let go, then
+            # starts anew (_acquire waits on _starting): else its new sandbox
+            # mounted the volume that this detach unmounted under it.
+            stopping = self._starting[key] = loop.create_future()
+            try:
+                await live.sandbox.close()
+                if await self._still_held(key):
+                    await asyncio.to_thread(self.files.detach, *key)  # its last snapshot, if kept
+            finally:
+                del self._starting[key]
+                stopping.set_result(None)
         if self.files.snapshots:
             await self._checkpoint_due(now)
             if self.settings.node_key:

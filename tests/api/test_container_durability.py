@@ -208,6 +208,28 @@ def test_files_outlive_an_idle_sandbox_but_interpreter_state_does_not(start):
         second.close()
 
 
+def test_a_use_that_comes_as_an_idle_sandbox_is_shut_down_waits_and_gets_its_files(start):
+    # The reaper unmounted the container's volume after stopping its idle
+    # sandbox; a session created in between mounted it (already mounted: a
+    # no-op), and the unmount then took its files from under it: a 500 on
+    # POST /sessions, or a sandbox on an empty directory.
+    server = start(pool_size=0, container_sandbox_idle_seconds=0.3,
+                   reaper_interval_seconds=0.05, log_level="info")
+    container = unique("reaped-while-used")
+    with make_client(server) as http:
+        with attached(http, container) as first:
+            assert first.bash(f"echo kept > {WORKSPACE}/mark.txt")["return_code"] == 0
+        for round_ in range(10):  # the window is narrow: several tries to meet it
+            shut_down = server.log().count("shutting down idle sandbox of container")
+            deadline = time.monotonic() + 30
+            while server.log().count("shutting down idle sandbox of container") == shut_down:
+                assert time.monotonic() < deadline, "the idle sandbox was never shut down"
+                time.sleep(0.002)
+            # At once, while the reaper stops the sandbox and lets go of the volume.
+            with attached(http, container) as again:
+                assert again.bash(f"cat {WORKSPACE}/mark.txt")["stdout"] == "kept\n", round_
+
+
 # -- restarts -----------------------------------------------------------------------------------
 def _snapshot(http: httpx.Client, container_id: str) -> dict:
     container = http.get(f"/v1/containers/{container_id}")
