@@ -34,7 +34,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from starlette.requests import Request
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from shoal.api.errors import error_response
 
 log = logging.getLogger("shoal.server")
 
@@ -96,6 +100,13 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
         self._cancel_header_deadline()
         super().connection_lost(exc)
 
+    def _start_asgi_task(self, cycle, app) -> None:
+        # uvicorn's own 503 past limit_concurrency is plain text without
+        # Retry-After; a client's SDK parses the route's dialect and retries on it.
+        if app is service_unavailable:
+            app = _at_capacity
+        super()._start_asgi_task(cycle, app)
+
     def _arm_header_deadline(self) -> None:
         self._header_timer = self.loop.call_later(self.header_seconds, self._headers_overdue)
 
@@ -125,6 +136,12 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
             self.transport.write(b"".join(head))
         # One that sent nothing of a request is closed as an idle one is: silently.
         self.transport.close()
+
+
+async def _at_capacity(scope, receive, send) -> None:
+    response = error_response(Request(scope), 503, "the server holds as many connections as it "
+                              "may; retry in a moment", headers={"Connection": "close"})
+    await response(scope, receive, send)
 
 
 def header_deadline_protocol(seconds: float) -> type[HeaderDeadlineProtocol]:

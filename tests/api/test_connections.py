@@ -8,6 +8,7 @@ the server's, and a few hundred left it unable to accept or start sandboxes.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -150,10 +151,15 @@ def test_past_max_connections_a_request_is_answered_503_and_closed(server_factor
         over.close()
         assert sent == b""
         assert f"refusing connections: {cap} are open, max_connections is {cap}" in server.log()
-        at_cap.sendall(HEALTH)
+        body = b'{"model": "m"}'
+        at_cap.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                       b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         sent, _ = _closed_within(at_cap, 10)  # answered, then closed: not held
         assert sent.startswith(b"HTTP/1.1 503 "), sent
-        assert b"connection: close" in sent.lower()
+        head, _, answer = sent.partition(b"\r\n\r\n")
+        assert b"connection: close" in head.lower() and b"retry-after: 1" in head.lower()
+        # In the route's dialect (Anthropic's, here), which a client's SDK retries on.
+        assert json.loads(answer)["error"]["type"] == "overloaded_error", answer
         # The kept-alive connection under the cap is served still.
         kept.sendall(HEALTH)
         assert _response(kept)[0].startswith(b"HTTP/1.1 200")
