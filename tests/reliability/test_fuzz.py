@@ -60,7 +60,7 @@ from starlette.routing import Route
 from shoal.app import create_app
 from shoal.config import Settings
 
-MAX_EXAMPLES = 20
+MAX_EXAMPLES = 15
 # The contract's operations are fuzzed by the served document's fuzzer too; here they
 # are held to the contract's schemas, with fewer cases.
 CONTRACT_EXAMPLES = 10
