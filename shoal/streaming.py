@@ -18,6 +18,9 @@ stream from an async one (shoal.api._responses reads files that way).
 
 from __future__ import annotations
 
+from typing import AsyncIterator
+
+import httpx
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -28,6 +31,16 @@ class StreamingBody(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await close_iterator(self.body_iterator)
+
+
+async def relayed(response: httpx.Response) -> AsyncIterator[bytes]:
+    """An httpx response's body as it arrives (an upstream model's, a cluster
+    host's), its connection closed however the relay ends."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    finally:
+        await response.aclose()
 
 
 async def close_iterator(iterator: object) -> None:

@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from shoal.runs.events import Event
+from shoal.streaming import close_iterator
 
 PING = b": ping\r\n\r\n"
 CHUNK_BYTES = 64 * 1024
@@ -98,6 +99,4 @@ class EventStream(Response):
             timer.cancel()
             if watcher is not None:
                 watcher.cancel()
-            aclose = getattr(self.chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await close_iterator(self.chunks)

@@ -38,7 +38,7 @@ from shoal import __version__
 from shoal.api.auth import OPEN_TENANT, TokenTable, operator_tokens_of, bearer_token
 from shoal.api.body_limits import BodyLimits, Budget
 from shoal.api.stalled import StalledResponses
-from shoal.streaming import StreamingBody
+from shoal.streaming import StreamingBody, relayed
 from shoal.api.errors import PLACEMENT_HEADER, error_response
 from shoal.api.observability import ALIAS_PREFIX
 from shoal.config import MiB, Settings, read_secret
@@ -228,7 +228,7 @@ class FrontEnd:
             holder = upstream.headers.get(PLACEMENT_HEADER)
             if upstream.status_code != 421 or holder is None:
                 return StreamingBody(
-                    _relayed(upstream), status_code=upstream.status_code,
+                    relayed(upstream), status_code=upstream.status_code,
                     headers={k: v for k, v in upstream.headers.items()
                              if k.lower() not in _HOP and k.lower() != PROBE_HEADER})
             await upstream.aclose()
@@ -259,16 +259,6 @@ class FrontEnd:
         url = httpx.URL(host.url).copy_with(raw_path=raw + (b"?" + query if query else b""))
         outgoing = self.client.build_request(request.method, url, headers=headers, content=body)
         return await self.client.send(outgoing, stream=True)
-
-
-async def _relayed(upstream: httpx.Response):
-    """A host's answer, relayed; its connection closed however the relay ends
-    (StreamingBody closes this when the client leaves or stalls)."""
-    try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    finally:
-        await upstream.aclose()
 
 
 def create_front_end(settings: Settings) -> Starlette:

@@ -23,7 +23,7 @@ from httpx_sse import aconnect_sse
 from starlette.requests import Request
 from starlette.responses import Response
 
-from shoal.streaming import StreamingBody
+from shoal.streaming import StreamingBody, relayed
 
 # Response headers worth passing back from the upstream.
 _PASSED_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry", "content-type")
@@ -175,13 +175,8 @@ class Upstream:
             raise UpstreamError(502, f"the upstream model could not be reached: {exc}") from None
         headers = {k: v for k, v in response.headers.items() if k.lower() in _PASSED_HEADERS}
         if response.headers.get("content-type", "").startswith("text/event-stream"):
-            async def chunks():
-                try:
-                    async for chunk in response.aiter_raw():
-                        yield chunk
-                finally:
-                    await response.aclose()
-            return StreamingBody(chunks(), status_code=response.status_code, headers=headers)
+            return StreamingBody(relayed(response), status_code=response.status_code,
+                                 headers=headers)
         try:
             content = await response.aread()
         finally:
