@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Awaitable, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Iterable, TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
@@ -77,6 +77,28 @@ async def first_chunk(iterator: AsyncIterator[bytes | None]) -> bytes | None:
             return None
         if chunk is not None:
             return chunk
+
+
+async def streamed(first: bytes | None, iterator: AsyncIterator[bytes | None],
+                   failure: Callable[[Exception], Iterable[bytes]]) -> AsyncIterator[bytes]:
+    """A streaming response's body: ``first`` (None: the loop ended without an
+    event), then the loop's events. Past the first event the status is sent, so
+    a failure ends the stream with the dialect's own events (``failure(exc)``).
+    The loop's iterator is closed however this ends: its cleanup cancels its
+    run and closes its model connection."""
+    try:
+        if first is None:
+            return
+        yield first
+        try:
+            async for chunk in iterator:
+                if chunk is not None:
+                    yield chunk
+        except Exception as exc:  # noqa: BLE001 - the stream says so instead of breaking off
+            for event in failure(exc):
+                yield event
+    finally:
+        await close_iterator(iterator)
 
 
 def _releasing(response: Response, release: Callable[[], None]) -> Response:

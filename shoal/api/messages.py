@@ -9,17 +9,16 @@ that upstream unchanged. Errors are Anthropic's (``{"type": "error", "error":
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
-from shoal.streaming import StreamingBody, close_iterator
+from shoal.streaming import StreamingBody
 from shoal.gateway.anthropic import InvalidMessagesRequest, parse_request
 
 from ._bodies import read_json_object
-from ._gateway import drain, first_chunk, held, unless_gone
+from ._gateway import drain, first_chunk, held, streamed, unless_gone
 from ._responses import json_response
 from .auth import tenant_of
 from .errors import ANTHROPIC, BadRequest, error_body, request_id_of, stream_failure
@@ -95,30 +94,20 @@ async def _serve(request: Request, tenant: str, gateway, upstream, parsed) -> Re
         first = await unless_gone(request, first_chunk(iterator))
     except UpstreamError as exc:
         return upstream_error(request, exc)
-    return StreamingBody(_stream(first, iterator, request_id_of(request)),
-                             media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    request_id = request_id_of(request)
+    return StreamingBody(streamed(first, iterator, lambda exc: [_failure(exc, request_id)]),
+                         media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
-async def _stream(first: bytes | None, iterator, request_id: str | None) -> AsyncIterator[bytes]:
-    try:
-        if first is None:
-            return
-        yield first
-        try:
-            async for chunk in iterator:
-                if chunk is not None:
-                    yield chunk
-        except UpstreamError as exc:
-            # Mid-stream the status is sent: the error travels as Anthropic's error event.
-            body = exc.body if isinstance(exc.body, dict) and exc.body.get("type") == "error" else (
-                error_body(ANTHROPIC, exc.status, exc.message))
-            yield _event("error", {**body, "request_id": request_id})
-        except Exception as exc:  # noqa: BLE001 - the stream says so instead of breaking off
-            yield _event("error", error_body(ANTHROPIC, *stream_failure(exc, "a streamed message"),
-                                             request_id))
-    finally:
-        await close_iterator(iterator)  # the loop's cleanup: its run, its model connection
+def _failure(exc: Exception, request_id: str | None) -> bytes:
+    """Mid-stream the status is sent: the error travels as Anthropic's error event."""
+    if isinstance(exc, UpstreamError):
+        body = exc.body if isinstance(exc.body, dict) and exc.body.get("type") == "error" else (
+            error_body(ANTHROPIC, exc.status, exc.message))
+        return _event("error", {**body, "request_id": request_id})
+    return _event("error", error_body(ANTHROPIC, *stream_failure(exc, "a streamed message"),
+                                      request_id))
 
 
 def _event(name: str, data: dict) -> bytes:

@@ -9,17 +9,16 @@ through unchanged. Errors are OpenAI's (``{"error": {...}}`` with
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
-from shoal.streaming import StreamingBody, close_iterator
+from shoal.streaming import StreamingBody
 from shoal.gateway.openai import InvalidResponsesRequest, parse_request
 
 from ._bodies import read_json_object
-from ._gateway import drain, first_chunk, held, unless_gone
+from ._gateway import drain, first_chunk, held, streamed, unless_gone
 from ._responses import json_response
 from .auth import tenant_of
 from .errors import OPENAI, BadRequest, error_body, openai_code, request_id_of, stream_failure
@@ -79,32 +78,20 @@ async def _serve(request: Request, tenant: str, gateway, upstream, parsed) -> Re
         first = await unless_gone(request, first_chunk(iterator))
     except UpstreamError as exc:
         return upstream_error(request, exc)
-    return StreamingBody(_stream(first, iterator, session, request_id_of(request)),
-                             media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    return StreamingBody(streamed(first, iterator, lambda exc: _failure(exc, session)),
+                         media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
-async def _stream(first, iterator, session, request_id) -> AsyncIterator[bytes]:
-    try:
-        if first is None:
-            return
-        yield first
-        try:
-            async for chunk in iterator:
-                if chunk is not None:
-                    yield chunk
-        except Exception as exc:  # noqa: BLE001 - the stream ends with OpenAI's failure events
-            # Past the first event the status is sent: what a handler would have
-            # answered (a quota, capacity, a container gone) travels in the events.
-            if isinstance(exc, UpstreamError):
-                status, message = exc.status, exc.message
-                log.warning("a streamed response failed: %s", message, extra={"status": status})
-            else:
-                status, message = stream_failure(exc, "a streamed response")
-            for event in session.adapter.failure(message, openai_code(status)):
-                yield event
-    finally:
-        await close_iterator(iterator)  # the loop's cleanup: its run, its model connection
+def _failure(exc: Exception, session) -> list[bytes]:
+    """Past the first event the status is sent: what a handler would have answered
+    (a quota, capacity, a container gone) travels in OpenAI's failure events."""
+    if isinstance(exc, UpstreamError):
+        status, message = exc.status, exc.message
+        log.warning("a streamed response failed: %s", message, extra={"status": status})
+    else:
+        status, message = stream_failure(exc, "a streamed response")
+    return session.adapter.failure(message, openai_code(status))
 
 
 @router.get("/{response_id}", summary="A stored response",
