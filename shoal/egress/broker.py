@@ -8,7 +8,9 @@ unanswered.
 
 It speaks what the sandbox's clients speak through ``HTTP(S)_PROXY``:
 
-- ``CONNECT host:port``: a tunnel (HTTPS, or anything else over TCP);
+- ``CONNECT host:port``: a tunnel (HTTPS, or anything else over TCP); a TLS
+  client in it must ask for that host, not another one the address serves
+  (:mod:`.sni`);
 - an absolute-form request (``GET http://host/path``): plain HTTP, forwarded
   one request per connection.
 
@@ -55,6 +57,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
+from . import sni
 from .policy import Allowlist, Narrowed
 from .tokens import MODEL_HOST, ModelTokens, TokenRefused
 
@@ -261,6 +264,10 @@ class EgressBroker:
             log.info("egress refused: %s", refusal, extra={"tenant": grant.tenant,
                                                             "container": grant.container_id})
             await _answer(writer, refusal.status, str(refusal))
+        except sni.Refused as refusal:  # after the tunnel opened: TLS's alert said it
+            traffic.refused += 1
+            log.info("egress refused a tunnel's handshake: %s", refusal,
+                     extra={"tenant": grant.tenant, "container": grant.container_id})
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
         except asyncio.CancelledError:
@@ -289,7 +296,7 @@ class EgressBroker:
             upstream = await self._open_checked(grant, host, port)
             writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
             await writer.drain()
-            await _splice(reader, writer, *upstream, traffic, rate)
+            await _splice(reader, writer, *upstream, traffic, rate, tunnel=host)
             return
         try:
             parts = urlsplit(target)
@@ -450,19 +457,36 @@ async def _answer(writer: asyncio.StreamWriter, status: int, reason: str) -> Non
 
 
 async def _splice(client_reader, client_writer, upstream_reader, upstream_writer,
-                  traffic: Traffic, rate: _Rate) -> None:
+                  traffic: Traffic, rate: _Rate, tunnel: str | None = None) -> None:
+    """Move bytes both ways until the far side is done. In a tunnel to ``tunnel``
+    the client's first flight is checked before it goes (:mod:`.sni`); a refused
+    one is answered with TLS's alert, and raised once the tunnel is closed."""
+    refused: list[sni.Refused] = []
+
+    async def forward(data: bytes, writer, outbound: bool) -> None:
+        if outbound:
+            traffic.bytes_out += len(data)
+        else:
+            traffic.bytes_in += len(data)
+        await rate.spend(len(data))
+        writer.write(data)
+        await writer.drain()
+
     async def pump(reader, writer, outbound: bool) -> None:
         try:
-            while data := await reader.read(_CHUNK):
-                if outbound:
-                    traffic.bytes_out += len(data)
+            if outbound and tunnel is not None:
+                if data := await sni.first_flight(reader, tunnel, _CHUNK):
+                    await forward(data, writer, outbound)
                 else:
-                    traffic.bytes_in += len(data)
-                await rate.spend(len(data))
-                writer.write(data)
-                await writer.drain()
+                    reader = None  # the client closed at once
+            while reader is not None and (data := await reader.read(_CHUNK)):
+                await forward(data, writer, outbound)
             if writer.can_write_eof():
                 writer.write_eof()
+        except sni.Refused as refusal:
+            refused.append(refusal)
+            client_writer.write(sni.UNRECOGNIZED_NAME_ALERT)
+            upstream_writer.close()  # nothing went; the far side's end follows
         except (ConnectionError, OSError):
             pass
 
@@ -475,3 +499,5 @@ async def _splice(client_reader, client_writer, upstream_reader, upstream_writer
         outbound.cancel()
         await asyncio.gather(outbound, return_exceptions=True)
         upstream_writer.close()
+    if refused:
+        raise refused[0]

@@ -15,6 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import ssl
+import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -80,6 +84,53 @@ def services():
         service.server_close()
 
 
+class _TlsService:
+    """A TLS service on 127.0.0.1 (a self-signed certificate for that address):
+    answers every request with one line, and notes the name each client asked for."""
+
+    def __init__(self) -> None:
+        self._directory = tempfile.TemporaryDirectory(prefix="shoal-tls-")
+        cert, key = (os.path.join(self._directory.name, name) for name in ("cert.pem", "key.pem"))
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", key, "-out", cert], check=True, capture_output=True)
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(cert, key)
+        self.names: list[str | None] = []  # each handshake's SNI, as it began
+        self.context.sni_callback = lambda _sock, name, _context: self.names.append(name)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection: socket.socket) -> None:
+        connection.settimeout(30)
+        try:
+            with self.context.wrap_socket(connection, server_side=True) as tls:
+                tls.recv(65536)
+                tls.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 15\r\n\r\nhello over tls\n")
+        except (OSError, ssl.SSLError):
+            pass
+
+    def close(self) -> None:
+        self._listener.close()
+        self._directory.cleanup()
+
+
+@pytest.fixture(scope="module")
+def tls_service():
+    service = _TlsService()
+    yield service
+    service.close()
+
+
 # The shared server's model tokens outlive any test's wait, however busy the
 # machine (a sandbox that starts Python and imports anthropic under a loaded CI
 # once took longer than a 10 s lifetime); test_a_token_expires has a server of
@@ -89,11 +140,12 @@ SHORT_TOKEN_SECONDS = 4
 
 
 @pytest.fixture(scope="module")
-def egress_server(gateway_factory, services):
+def egress_server(gateway_factory, services, tls_service):
     allowed, named_only = services
     # 127.0.0.1:PORT names the address; localhost:PORT2 names only a name, which
     # resolves to loopback: the broker must refuse it.
-    return gateway_factory(egress_allow=f"127.0.0.1:{allowed.port},localhost:{named_only.port}",
+    return gateway_factory(egress_allow=f"127.0.0.1:{allowed.port},localhost:{named_only.port},"
+                                        f"127.0.0.1:{tls_service.port}",
                            model_token_seconds=TOKEN_SECONDS, model_token_requests=3,
                            operator_tokens=OPERATOR_TOKEN)
 
@@ -208,6 +260,51 @@ def test_what_the_operator_did_not_allow_is_refused(egress_server, services):
             f"print(s.connect_ex(('127.0.0.1', {allowed.port})))\n"))
         assert raw.get("stdout", "").strip() == "111", raw  # ECONNREFUSED: its own loopback
     assert named_only.seen == []
+
+
+FRONTING = """
+import os, socket, ssl
+from urllib.parse import urlsplit
+proxy = urlsplit(os.environ['HTTP_PROXY'])
+def through(name):
+    s = socket.create_connection((proxy.hostname, proxy.port), timeout=20)
+    s.sendall(b'CONNECT 127.0.0.1:{port} HTTP/1.1\\r\\n\\r\\n')
+    head = b''
+    while not head.endswith(b'\\r\\n\\r\\n'):
+        head += s.recv(1)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        with context.wrap_socket(s, server_hostname=name) as tls:
+            tls.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n')
+            return tls.recv(100).decode().split('\\r\\n')[-1].strip()
+    except ssl.SSLError as exc:
+        return exc.reason
+print(through(None))
+print(through('fronted.example.com'))
+print(through(None))
+"""
+
+
+def test_a_tunnel_reaches_only_the_name_it_was_allowed(egress_server, tls_service):
+    """An allowed address often serves other names (a CDN): a TLS client in a
+    tunnel to it that asks for another name (domain fronting) is refused with
+    TLS's unrecognized_name alert before its hello leaves, and counted as
+    refused; one that asks for none, or for the tunnel's own host, gets through
+    (curl included)."""
+    url = f"https://127.0.0.1:{tls_service.port}/"
+    with egress_server.client(CLIENT_TOKEN) as http:
+        box = _container(http)
+        answer = _run(http, box, "python", FRONTING.format(port=tls_service.port))
+        assert answer.get("stdout", "").split("\n")[:3] == [
+            "hello over tls", "TLSV1_UNRECOGNIZED_NAME", "hello over tls"], answer
+        curl = _sh(http, box, f"{DIRECT} curl -sSk --max-time 20 {url}")
+        assert (curl.get("exit_code"), curl.get("stdout")) == (0, "hello over tls\n"), curl
+        metrics = http.get("/metrics", headers={"authorization": f"Bearer {OPERATOR_TOKEN}"}).text
+    # The fronted hello never reached the service: it saw only nameless handshakes.
+    assert tls_service.names == [None, None, None], tls_service.names
+    assert f'shoal_egress_refused_total{{container="{box}"}} 1' in metrics, [
+        line for line in metrics.splitlines() if box in line]
 
 
 def test_a_network_policy_narrows_and_its_secrets_stay_outside(egress_server, services):
