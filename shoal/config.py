@@ -132,7 +132,8 @@ class Settings(BaseSettings):
     request_buffer_mib: int = Field(1024, ge=1, description="Memory all request bodies in "
                                     "progress may hold together; past it a request is "
                                     "answered 503 with Retry-After. With several tenants, "
-                                    "one credential's bodies may hold half of it.")
+                                    "one tenant's bodies may hold half of it (at least "
+                                    "one body at the cap).")
     request_body_idle_seconds: float = Field(30.0, gt=0, description="A request body that "
                                              "stops arriving for this long is answered 408.")
     response_stall_seconds: float = Field(60.0, gt=0, description="A response its client "
