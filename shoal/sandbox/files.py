@@ -184,6 +184,15 @@ class SandboxFiles:
     # -- operations -------------------------------------------------------------
     def open_for_reading(self, path: SandboxPath) -> tuple[BinaryIO, int]:
         """An open file and its size; the file cannot change identity once opened."""
+        fd, info = self._open_regular(path)
+        if info.st_size > self._max_file_bytes:
+            os.close(fd)
+            raise FileTooLarge(f"{path.relative} is larger than {self._max_file_bytes} bytes")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), info.st_size
+
+    def _open_regular(self, path: SandboxPath) -> tuple[int, os.stat_result]:
+        """A non-blocking fd on a regular file, never through a link, and its stat."""
         if not path.parts:
             raise IsDirectory(f"{path.relative} is a directory")
         directory = self._open_dir(path.mount, path.parts[:-1])
@@ -202,11 +211,7 @@ class SandboxFiles:
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
             raise FileAccessError(f"{path.relative} is not a regular file")
-        if info.st_size > self._max_file_bytes:
-            os.close(fd)
-            raise FileTooLarge(f"{path.relative} is larger than {self._max_file_bytes} bytes")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb"), info.st_size
+        return fd, info
 
     def list(self, path: SandboxPath) -> list[FileEntry]:
         """Regular files under a directory, recursively, without following links."""
@@ -221,11 +226,13 @@ class SandboxFiles:
         return entries
 
     def stat(self, path: SandboxPath) -> FileEntry:
-        """Size and time of one regular file, without following links."""
-        handle, size = self.open_for_reading(path)
-        with handle:
-            info = os.fstat(handle.fileno())
-            return FileEntry(path, size, info.st_mtime, info.st_mtime_ns)
+        """Size and time of one regular file, without following links. Whatever
+        its size: code can write a file past the cap, which a listing shows, and
+        its metadata and its deletion must not be refused for it (only its bytes
+        are not served)."""
+        fd, info = self._open_regular(path)
+        os.close(fd)
+        return FileEntry(path, info.st_size, info.st_mtime, info.st_mtime_ns)
 
     def delete(self, path: SandboxPath) -> None:
         """Remove one file (never a directory, never through a link)."""

@@ -457,6 +457,38 @@ def test_concurrent_puts_of_one_key_leave_the_etag_of_the_bytes_kept(http, scope
             assert item["etag"] == hashlib.md5(kept).hexdigest(), round_
 
 
+def test_a_file_code_wrote_past_the_cap_is_listed_described_and_deletable(http, scope):
+    """The cap bounds what is uploaded and served, not what the code may write:
+    such a file is listed, so its metadata is served and it can be deleted, by
+    either API; only its bytes are refused (413)."""
+    size = 2 * MAX_FILE_BYTES
+    with attached(http, scope) as bash:
+        assert bash(f"head -c {size} /dev/zero > {OUTPUTS}/big.bin")["return_code"] == 0
+    fid = file_id(f"{OUTPUTS}/big.bin")
+    assert {i["id"]: i for i in listing(http, scope)["data"]}[fid]["size_bytes"] == size
+    params = {"scope_id": scope}
+    response = http.get(f"/v1/files/{fid}", params=params)
+    assert response.status_code == 200, response.text
+    assert response.json()["size_bytes"] == size
+    head = http.head(f"/v1/files/{fid}", params=params)
+    assert (head.status_code, head.headers["x-file-size"]) == (200, str(size))
+    assert_error(http.get(f"/v1/files/{fid}/content", params=params), 413)
+    response = http.get(f"/v1/containers/{scope}/files/cfile_{fid}")
+    assert response.status_code == 200, response.text
+    assert response.json()["bytes"] == size
+    assert_error(http.get(f"/v1/containers/{scope}/files/cfile_{fid}/content"), 413)
+
+    response = http.delete(f"/v1/containers/{scope}/files/cfile_{fid}")
+    assert response.status_code == 200, response.text
+    assert fid not in listed_ids(http, scope)
+    with attached(http, scope) as bash:
+        assert bash(f"head -c {size} /dev/zero > {OUTPUTS}/big.bin")["return_code"] == 0
+    response = http.delete(f"/v1/files/{fid}", params=params)
+    assert response.status_code == 200, response.text
+    with attached(http, scope) as bash:
+        assert bash(f"ls -A {OUTPUTS}")["stdout"] == ""
+
+
 # -- list ---------------------------------------------------------------------------------------
 def test_list_is_sorted_by_creation_and_pages_both_ways(http, scope):
     ids = [upload(http, scope, f"f{i}.txt", f"file {i}".encode(), path=f"page/f{i}.txt")["id"]
