@@ -35,17 +35,24 @@ def content_disposition(name: str, inline: bool = False) -> str:
 
 async def file_response(handle: BinaryIO, size: int, name: str, media_type: str,
                         inline: bool = False) -> Response:
+    """The file's first ``size`` bytes (its size when opened, which the cap was
+    checked against): code may go on writing to a file being downloaded, and a
+    read to its end served past the cap, or past the declared Content-Length,
+    which cut the download off."""
     headers = {"content-disposition": content_disposition(name, inline)}
     if size <= _SMALL_FILE_BYTES:
         with handle:
-            data = await run_in_threadpool(handle.read)
+            data = await run_in_threadpool(handle.read, size)
         return Response(data, media_type=media_type, headers=headers)
 
     async def chunks():
         # Async, and closed by StreamingBody: a client that leaves mid-download
         # lets go of the handle at once, not at the next garbage collection.
+        left = size
         try:
-            while chunk := await run_in_threadpool(handle.read, _CHUNK):
+            while left > 0 and (chunk := await run_in_threadpool(handle.read,
+                                                                 min(_CHUNK, left))):
+                left -= len(chunk)
                 yield chunk
         finally:
             handle.close()

@@ -489,6 +489,37 @@ def test_a_file_code_wrote_past_the_cap_is_listed_described_and_deletable(http, 
         assert bash(f"ls -A {OUTPUTS}")["stdout"] == ""
 
 
+@pytest.fixture(scope="module")
+def large_files_server(server_factory, run_dir) -> Iterator[Server]:
+    """Files past the 1 MiB that a download reads at once, which stream."""
+    server = server_factory(run_dir=run_dir, max_file_bytes=64 * MAX_FILE_BYTES, max_sessions=4,
+                            pool_size=1)
+    yield server
+    server.stop()
+
+
+def test_a_download_is_the_file_as_it_was_opened_while_code_appends(large_files_server, scope):
+    """A download serves the bytes the file held when it was opened, as many as
+    it declares: code appending meanwhile made it read on past its
+    Content-Length, and the response was cut off (and past the cap, had the
+    file been at it)."""
+    size = 32 * MAX_FILE_BYTES + 12345  # not whole chunks: its last one is read after the append
+    with make_client(large_files_server) as http, attached(http, scope) as bash:
+        assert bash(f"head -c {size} /dev/zero > {OUTPUTS}/log.bin")["return_code"] == 0
+        fid = file_id(f"{OUTPUTS}/log.bin")
+        with large_files_server.client() as reader, reader.stream(
+                "GET", f"/v1/files/{fid}/content", params={"scope_id": scope}) as response:
+            assert response.status_code == 200
+            assert response.headers["content-length"] == str(size)
+            chunks = response.iter_bytes()
+            body = next(chunks)
+            # The server has sent what the socket holds, and waits for the reader.
+            appended = bash(f"head -c {8 * MAX_FILE_BYTES} /dev/urandom >> {OUTPUTS}/log.bin")
+            assert appended["return_code"] == 0
+            body += b"".join(chunks)
+        assert body == bytes(size)
+
+
 # -- list ---------------------------------------------------------------------------------------
 def test_list_is_sorted_by_creation_and_pages_both_ways(http, scope):
     ids = [upload(http, scope, f"f{i}.txt", f"file {i}".encode(), path=f"page/f{i}.txt")["id"]
