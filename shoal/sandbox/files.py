@@ -34,6 +34,10 @@ MAX_LISTED = 10_000
 MAX_SCANNED = 100_000
 MAX_DEPTH = 64
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# The name a file being written has between its last byte and its rename over the
+# target. Brief, but not instant: renaming over a file makes ext4 start writing the
+# new one's data back first (15 ms for 48 MiB on this disk). A listing leaves it out.
+_WRITING_PREFIX = ".shoal-upload-"
 
 
 class FileAccessError(Exception):
@@ -252,19 +256,23 @@ class SandboxFiles:
     def write(self, path: SandboxPath, source: BinaryIO) -> FileEntry:
         """Write ``source`` to ``path`` atomically; returns what was written.
 
-        The bytes land in a temporary name beside the target and are renamed
-        over it, so a reader never sees half a file and a failed upload leaves
-        nothing behind; ``rename`` replaces a planted symlink rather than
-        following it.
+        The bytes land in a file without a name (``O_TMPFILE``) in the target's
+        directory, which is named only once whole and renamed over the target:
+        a reader never sees half a file, and neither a failed upload nor a
+        server killed in the middle of one leaves anything behind (a named
+        temporary file was listed, with its partial size, and its bytes seen by
+        the code, for as long as the copy took; one left by a crash stayed for
+        good). Listings leave out the name it has until the rename.
+        ``rename`` replaces a planted symlink rather than following it.
         """
         if not path.parts:
             raise IsDirectory("a file path is required, not a directory")
         directory = self._open_dir(path.mount, path.parts[:-1], create=True)
-        temporary = f".shoal-upload-{secrets.token_hex(8)}"
+        temporary = f"{_WRITING_PREFIX}{secrets.token_hex(8)}"
         written = 0
+        named = False
         try:
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o644, dir_fd=directory)
+            fd = os.open(".", os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o644, dir_fd=directory)
             try:
                 with os.fdopen(fd, "wb") as target:
                     while chunk := source.read(1 << 20):
@@ -276,12 +284,16 @@ class SandboxFiles:
                     info = os.fstat(target.fileno())
                     if path.mount not in _ROOT_OWNED:  # read-only to code
                         os.fchown(target.fileno(), self._uid, self._uid)
+                    os.link(f"/proc/self/fd/{target.fileno()}", temporary,
+                            dst_dir_fd=directory)
+                    named = True
                 os.rename(temporary, path.parts[-1], src_dir_fd=directory, dst_dir_fd=directory)
             except BaseException:
-                try:
-                    os.unlink(temporary, dir_fd=directory)
-                except OSError:
-                    pass
+                if named:
+                    try:
+                        os.unlink(temporary, dir_fd=directory)
+                    except OSError:
+                        pass
                 raise
         except IsADirectoryError:
             raise IsDirectory(f"{path.relative} is a directory") from None
@@ -371,7 +383,7 @@ def _walk(directory_fd: int, prefix: tuple[str, ...]) -> list[tuple[tuple[str, .
                 stack.pop()
                 continue
             scanned += 1
-            if not _utf8(entry.name):
+            if not _utf8(entry.name) or entry.name.startswith(_WRITING_PREFIX):
                 continue
             try:
                 info = entry.stat(follow_symlinks=False)

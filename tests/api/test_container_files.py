@@ -498,6 +498,25 @@ def large_files_server(server_factory, run_dir) -> Iterator[Server]:
     server.stop()
 
 
+def test_a_file_being_written_is_never_listed_half_written(large_files_server, scope):
+    """An upload's bytes are written under no name until they are whole: listed
+    halfway (a temporary name, a partial size), they were recorded as a file of
+    the container that vanished a moment later."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = b"u" * (48 * MAX_FILE_BYTES)
+    with make_client(large_files_server) as http, ThreadPoolExecutor(1) as pool:
+        put(http, scope, "first.txt", b"1")
+        for _ in range(4):
+            writing = pool.submit(put, http, scope, "outputs/big.bin", body)
+            seen = []
+            while not writing.done():
+                seen += [(item["key"], item["size_bytes"]) for item in listing(http, scope)["data"]]
+            assert writing.result()["size_bytes"] == len(body)
+            assert {key for key, _ in seen} <= {"first.txt", "outputs/big.bin"}, seen
+            assert {size for key, size in seen if key == "outputs/big.bin"} <= {len(body)}, seen
+
+
 def test_a_download_is_the_file_as_it_was_opened_while_code_appends(large_files_server, scope):
     """A download serves the bytes the file held when it was opened, as many as
     it declares: code appending meanwhile made it read on past its
