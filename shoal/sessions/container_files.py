@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import BinaryIO
 
 from shoal.sandbox import FileAccessError, FileMissing, ProducedFile, guess_mime_type
-from shoal.sandbox.files import FileEntry, SandboxPath, parse_path
+from shoal.sandbox.files import MAX_DEPTH, MAX_PATH_BYTES, FileEntry, SandboxPath, parse_path
 from shoal.sandbox.mounts import EXTERNAL, OUTPUTS, UPLOADS, WORKSPACE
 from shoal.sandbox.result import decode_file_id, encode_file_id
 from shoal.storage import ContainerRecord, FileRecord, MetadataStore, UploadRecord
@@ -93,8 +93,17 @@ def path_for_key(key: str) -> SandboxPath:
     if parts[0] == "outputs":
         if len(parts) == 1:
             raise InvalidKey("a file key must name a file inside outputs/")
-        return SandboxPath(OUTPUTS, tuple(parts[1:]))
-    return SandboxPath(UPLOADS, tuple(parts))
+        path = SandboxPath(OUTPUTS, tuple(parts[1:]))
+    else:
+        path = SandboxPath(UPLOADS, tuple(parts))
+    # A file the API writes must be one it can list and name again: a listing
+    # walks MAX_DEPTH levels, and an id decodes to a path of MAX_PATH_BYTES.
+    if len(path.parts) > MAX_DEPTH:
+        raise InvalidKey(f"a file key must be at most {MAX_DEPTH} levels deep")
+    if len(path.sandbox_path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise InvalidKey(f"a file's path ({path.mount}/ and its key) must be at most "
+                         f"{MAX_PATH_BYTES} bytes")
+    return path
 
 
 class _HashingReader:

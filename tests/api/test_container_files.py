@@ -303,6 +303,10 @@ def test_a_put_whose_client_hangs_up_mid_body_stores_nothing(files_server, http,
 
 
 # -- key validation ------------------------------------------------------------------------
+# The deepest key a listing reaches (64 levels under uploads) and the longest
+# whose sandbox path an id can name (4096 bytes).
+DEEPEST_KEY = "/".join(["d"] * 63 + ["f"])
+LONGEST_KEY = "/".join(["x" * 254] * 15 + ["x" * (4096 - len(UPLOADS) - 1 - 15 * 255)])
 # Keys as the client means them, and how each is spelled in a PUT URL (httpx would
 # resolve a literal '..' segment before sending, so it is percent-encoded).
 BAD_KEYS = {
@@ -315,6 +319,10 @@ BAD_KEYS = {
     "outputs/": "outputs/",
     "./x": "%2E/x",
     "": "",
+    # Deeper than a listing walks, or a path longer than an id may name: the API
+    # would write a file it could then neither list nor find by its id.
+    DEEPEST_KEY + "/f": DEEPEST_KEY + "/f",
+    LONGEST_KEY + "y": LONGEST_KEY + "y",
 }
 
 
@@ -325,7 +333,8 @@ def _files_on_disk(http: httpx.Client, scope: str) -> list[str]:
         return result["stdout"].split()
 
 
-@pytest.mark.parametrize("key", list(BAD_KEYS), ids=[repr(k) for k in BAD_KEYS])
+@pytest.mark.parametrize("key", list(BAD_KEYS),
+                         ids=[repr(k) if len(k) < 20 else f"{len(k)}-byte" for k in BAD_KEYS])
 def test_invalid_keys_are_refused_and_nothing_is_written(http, scope, key):
     keep = upload(http, scope, "keep.txt", b"keep")
     before = _files_on_disk(http, scope)
@@ -340,6 +349,17 @@ def test_invalid_keys_are_refused_and_nothing_is_written(http, scope, key):
 
     assert listed_ids(http, scope) == [keep["id"]]
     assert _files_on_disk(http, scope) == before
+
+
+def test_the_deepest_and_longest_keys_are_listed_and_found_by_id(http, scope):
+    for key in (DEEPEST_KEY, LONGEST_KEY):
+        stored = put(http, scope, key, b"far")
+        assert stored["path"] == f"{UPLOADS}/{key}"
+        assert len(stored["path"].encode()) <= 4096
+        assert stored["id"] in listed_ids(http, scope)
+        assert content_of(http, scope, stored["id"]) == b"far"
+        response = http.delete(f"/v1/files/{stored['id']}", params={"scope_id": scope})
+        assert response.status_code == 200, response.text
 
 
 def test_invalid_container_id_is_refused(http):
