@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import logging
 import time
@@ -125,6 +126,22 @@ class ContainerFiles:
         # could leave one's bytes on disk under the other's etag.
         self._writing: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
+    def _lock(self, record: ContainerRecord, sandbox_path: str) -> asyncio.Lock:
+        key = (record.tenant, record.id, sandbox_path)
+        writing = self._writing.get(key)
+        if writing is None:
+            writing = self._writing[key] = asyncio.Lock()
+        return writing
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, record: ContainerRecord, sandbox_paths):
+        """The write locks of these paths, taken in one order (so two holders of
+        several never wait for each other)."""
+        async with contextlib.AsyncExitStack() as held:
+            for sandbox_path in sorted(set(sandbox_paths)):
+                await held.enter_async_context(self._lock(record, sandbox_path))
+            yield
+
     # Every method works inside ContainerManager.using: a container deleted since
     # the caller looked it up is a 404 (UnknownContainer), never files or rows
     # written for it after its deletion.
@@ -139,18 +156,59 @@ class ContainerFiles:
             entries = await asyncio.to_thread(scan)
             known = {row.path: row
                      for row in await self._metadata.list_files(record.tenant, record.id)}
-            current = [await self._reconciled(record, entry,
-                                              known.pop(entry.path.sandbox_path, None))
-                       for entry in entries]
-            if known:
-                await self._metadata.delete_files(record.tenant, record.id, list(known))
+            current, unsettled = [], []
+            for entry in entries:
+                row = known.pop(entry.path.sandbox_path, None)
+                if _in_step(row, entry):
+                    current.append(row)
+                else:
+                    unsettled.append(entry.path.sandbox_path)
+            # A file new, rewritten or gone since its row was written (or a row
+            # the scan missed) is looked at again with no write of its path under
+            # way: an upload that landed between the scan and the reading of the
+            # rows is then taken as it is, file and row, where its row used to be
+            # deleted or overwritten with what the scan saw (its etag lost).
+            unsettled += list(known)
+            if unsettled:
+                current += await self._settled(record, files, unsettled)
         current.sort(key=lambda row: (row.created_at, row.path))
         return [ContainerFile(row) for row in current]
+
+    async def _settled(self, record: ContainerRecord, files,
+                       sandbox_paths: list[str]) -> list[FileRecord]:
+        """The rows of these files as they are now, each written anew where it
+        does not match its file; the rows of files that are gone are deleted."""
+
+        def look() -> dict[str, FileEntry]:
+            found = {}
+            for sandbox_path in sandbox_paths:
+                try:
+                    found[sandbox_path] = files.stat(parse_path(sandbox_path, allow_file_id=False))
+                except FileAccessError:
+                    continue
+            return found
+
+        async with self._holding(record, sandbox_paths):
+            found = await asyncio.to_thread(look)
+            if len(sandbox_paths) == 1:  # one file looked up: its row, not the container's
+                row = await self._metadata.get_file(record.tenant, record.id, sandbox_paths[0])
+                rows = {row.path: row} if row is not None else {}
+            else:
+                rows = {row.path: row
+                        for row in await self._metadata.list_files(record.tenant, record.id)}
+            settled = [await self._reconciled(record, entry, rows.get(sandbox_path))
+                       for sandbox_path, entry in found.items()]
+            gone = [sandbox_path for sandbox_path in sandbox_paths
+                    if sandbox_path not in found and sandbox_path in rows]
+            if gone:
+                await self._metadata.delete_files(record.tenant, record.id, gone)
+        return settled
 
     async def _reconciled(self, record: ContainerRecord, entry: FileEntry,
                           row: FileRecord | None) -> FileRecord:
         """The metadata row of a file as found on disk, recorded anew if the file
-        is new (first seen now) or was written since (its etag is then unknown)."""
+        is new (first seen now) or was written since (its etag is then unknown).
+        Called holding the path's write lock, with the file looked at under it."""
         if row is not None and row.size == entry.size:
             if row.modified_ns == entry.modified_ns:
                 return row
@@ -181,18 +239,19 @@ class ContainerFiles:
                     tenant=record.tenant, container_id=record.id, path=path.sandbox_path,
                     created_at=entry.modified_at, size=entry.size, source="assistant"))
             row = await self._metadata.get_file(record.tenant, record.id, path.sandbox_path)
-            return ContainerFile(await self._reconciled(record, entry, row))
+            if _in_step(row, entry):
+                return ContainerFile(row)
+            settled = await self._settled(record, files, [path.sandbox_path])
+            if not settled:
+                raise _missing(file_id)
+            return ContainerFile(settled[0])
 
     async def put(self, record: ContainerRecord, path: SandboxPath, source: BinaryIO,
                   source_kind: str = "user", checkpoint: bool = True) -> ContainerFile:
         """Write one file into the container; with ``checkpoint``, durable beyond this
         host before it returns (a caller writing several checkpoints once, after
         the last)."""
-        key = (record.tenant, record.id, path.sandbox_path)
-        writing = self._writing.get(key)
-        if writing is None:
-            writing = self._writing[key] = asyncio.Lock()
-        async with self._containers.using(record), writing:
+        async with self._containers.using(record), self._lock(record, path.sandbox_path):
             files = await self._containers.files_of(record)
             reader = _HashingReader(source)
             written = await asyncio.to_thread(files.write, path, reader)
@@ -223,8 +282,9 @@ class ContainerFiles:
         async with self._containers.using(record):
             item = await self.get(record, file_id)
             files = await self._containers.files_of(record)
-            await asyncio.to_thread(files.delete, parse_path(item.path))
-            await self._metadata.delete_files(record.tenant, record.id, [item.path])
+            async with self._lock(record, item.path):  # file and row together, as put
+                await asyncio.to_thread(files.delete, parse_path(item.path))
+                await self._metadata.delete_files(record.tenant, record.id, [item.path])
             await self._containers.checkpoint(record)
         return item
 
@@ -310,10 +370,11 @@ class ContainerFiles:
         async with self._containers.using(record):
             doomed = [item for item in await self.list(record) if item.key.startswith(prefix)]
             files = await self._containers.files_of(record)
-            for item in doomed:
-                await asyncio.to_thread(files.delete, parse_path(item.path))
-            await self._metadata.delete_files(record.tenant, record.id,
-                                              [item.path for item in doomed])
+            async with self._holding(record, [item.path for item in doomed]):
+                for item in doomed:
+                    await asyncio.to_thread(files.delete, parse_path(item.path))
+                await self._metadata.delete_files(record.tenant, record.id,
+                                                  [item.path for item in doomed])
             if doomed:
                 await self._containers.checkpoint(record)
         return len(doomed)
@@ -341,6 +402,12 @@ def parse_scoped_file_id(file_id: str) -> tuple[str, str] | None:
     if not container_id or not path.startswith("/"):
         return None
     return container_id, encode_file_id(path)
+
+
+def _in_step(row: FileRecord | None, entry: FileEntry) -> bool:
+    """Whether a file's row was written for the file as it is."""
+    return (row is not None and row.size == entry.size and bool(row.modified_ns)
+            and row.modified_ns == entry.modified_ns)
 
 
 def _path_of_id(file_id: str) -> SandboxPath:

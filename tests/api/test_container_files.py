@@ -559,6 +559,47 @@ def test_a_download_is_the_file_as_it_was_opened_while_code_appends(large_files_
         assert body == bytes(size)
 
 
+def test_uploads_racing_listings_keep_their_etags(http, scope):
+    """A listing that scanned the disk before an upload landed, and read the
+    rows after, took the upload's row for a file gone (a new key's row was
+    deleted) or rewrote it with the size and time it scanned (an overwritten
+    key's): either way the etag its PUT answered was lost."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    with attached(http, scope) as bash:  # a listing long enough to be overlapped
+        made = bash(f"mkdir {OUTPUTS}/many && cd {OUTPUTS}/many && seq 3000 | xargs touch")
+        assert made["return_code"] == 0, made
+    for i in range(30):
+        put(http, scope, f"rewritten/{i}.txt", b"before")
+    listing(http, scope)
+    done = threading.Event()
+
+    def keep_listing() -> None:
+        while not done.is_set():
+            listing(http, scope, limit=1)
+
+    stored = {}
+    with ThreadPoolExecutor(2) as pool:
+        listers = [pool.submit(keep_listing) for _ in range(2)]
+        try:
+            for i in range(30):
+                for key in (f"new/{i}.txt", f"rewritten/{i}.txt"):
+                    body = f"{key} {i}".encode()
+                    stored[put(http, scope, key, body)["id"]] = key, body
+        finally:
+            done.set()
+        for lister in listers:
+            lister.result()
+    lost = {}
+    for fid, (key, body) in stored.items():
+        head = http.head(f"/v1/files/{fid}", params={"scope_id": scope})
+        if head.headers["x-file-etag"] != hashlib.md5(body).hexdigest():
+            lost[key] = head.headers["x-file-etag"]
+        assert content_of(http, scope, fid) == body
+    assert not lost, lost
+
+
 # -- list ---------------------------------------------------------------------------------------
 def test_list_is_sorted_by_creation_and_pages_both_ways(http, scope):
     ids = [upload(http, scope, f"f{i}.txt", f"file {i}".encode(), path=f"page/f{i}.txt")["id"]
