@@ -62,6 +62,12 @@ class IsDirectory(FileAccessError):
     status = 400
 
 
+class NotADirectory(FileAccessError):
+    """A write below a file: the path is wrong, nothing is missing."""
+
+    status = 400
+
+
 class FileTooLarge(FileAccessError):
     status = 413
 
@@ -175,8 +181,13 @@ class SandboxFiles:
                     except OSError as exc:
                         raise _refusal(exc, part) from None
                 except OSError as exc:
-                    if exc.errno == errno.ENOTDIR and _is_symlink(part, fd):
+                    mode = _mode(part, fd) if exc.errno == errno.ENOTDIR else None
+                    if mode is not None and stat.S_ISLNK(mode):
                         raise PathOutside(f"{part} is a symbolic link; links are not followed") from None
+                    if create and mode is not None and not stat.S_ISDIR(mode):
+                        # A write's 404 reads as a session or container gone, and a
+                        # client may drop it and start anew: this is the path's fault.
+                        raise NotADirectory(f"{part} is a file, not a directory") from None
                     raise _refusal(exc, part) from None
                 os.close(fd)
                 fd = next_fd
@@ -412,11 +423,12 @@ def _utf8(name: str) -> bool:
     return True
 
 
-def _is_symlink(name: str, dir_fd: int) -> bool:
+def _mode(name: str, dir_fd: int) -> int | None:
+    """What ``name`` is now (its st_mode, never through a link), or None if gone."""
     try:
-        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
     except OSError:
-        return False
+        return None
 
 
 def _refusal(exc: OSError, name: str) -> FileAccessError:

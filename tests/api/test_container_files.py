@@ -351,6 +351,16 @@ def test_invalid_keys_are_refused_and_nothing_is_written(http, scope, key):
     assert _files_on_disk(http, scope) == before
 
 
+def test_a_key_below_a_file_is_400_not_404(http, scope):
+    """A 404 says the container is gone; a key that goes through a file is the
+    key's fault, as one onto a directory is."""
+    kept = put(http, scope, "a.txt", b"a")
+    assert_error(http.put("/v1/files/a.txt/b.txt", params={"scope_id": scope}, content=b"b"), 400)
+    assert_error(http.post("/v1/files", params={"scope_id": scope, "path": "a.txt/c/d"},
+                           files={"file": ("d", b"d")}), 400)
+    assert listed_ids(http, scope) == [kept["id"]]
+
+
 def test_the_deepest_and_longest_keys_are_listed_and_found_by_id(http, scope):
     for key in (DEEPEST_KEY, LONGEST_KEY):
         stored = put(http, scope, key, b"far")

@@ -644,6 +644,18 @@ def test_upload_onto_a_directory_is_400(api, expect_error, session_id):
     assert _listed(api, session_id) == ["d/f"]
 
 
+def test_upload_below_a_file_is_400_not_404(api, expect_error, session_id):
+    """A 404 says the session is gone (a client may drop it and start anew); a
+    path that goes through a file is the path's fault, as one onto a directory is."""
+    _bash(api, session_id, "echo x > f")
+    for path in ("f/g", "f/g/h", "/home/agent/workspace/f/x.txt"):
+        expect_error(_upload(api, session_id, path), 400)
+    assert _listed(api, session_id) == ["f"]
+    # Reading or listing below a file is still a missing file or directory.
+    expect_error(api.get(f"/sessions/{session_id}/files", params={"path": "f/g"}), 404)
+    expect_error(api.get(f"/sessions/{session_id}/files/list", params={"path": "f"}), 404)
+
+
 # -- 413: over the cap, never truncated ------------------------------------------------------------
 def _nothing_written(http: httpx.Client, session_id: str, path: str) -> None:
     listed = _listed(http, session_id)
