@@ -210,7 +210,11 @@ async def list_files(container_id: str, request: Request, limit: int = Query(20)
     manager = _manager(request)
     record = await manager.containers.get(tenant, container_id)
     items = _ordered(await manager.container_files.list(record), order)
-    page = paginate(items, public_file_id, limit, after and "cfile_" + file_id_of(after))
+    page = paginate(items, public_file_id, limit, after and "cfile_" + file_id_of(after),
+                    order_of=lambda item: (item.record.created_at, item.path),
+                    deleted=lambda cursor: manager.container_files.deleted_place(
+                        record, file_id_of(cursor)),
+                    descending=order == "desc")
     return json_response(_list_body([render_file(i, container_id) for i in page.items],
                                     page.has_more))
 

@@ -201,7 +201,10 @@ async def list_files(request: Request, scope_id: str | None = Query(None),
             raise BadRequest(400, "order must be 'asc' or 'desc'", param="order")
         if order == "desc":
             uploads = list(reversed(uploads))
-        listed = paginate(uploads, lambda r: r.id, limit, after_id, before_id)
+        listed = paginate(uploads, lambda r: r.id, limit, after_id, before_id,
+                          order_of=lambda r: (r.created_at, r.id),
+                          deleted=lambda cursor: manager.uploads.deleted_place(tenant, cursor),
+                          descending=order == "desc")
         data = [render_upload(r, anthropic) for r in listed.items]
         body = {"data": data, "has_more": listed.has_more,
                 "first_id": data[0]["id"] if data else None,
@@ -217,7 +220,10 @@ async def list_files(request: Request, scope_id: str | None = Query(None),
     items = await manager.container_files.list(container)
     if prefix:
         items = [item for item in items if item.key.startswith(prefix)]
-    page = paginate(items, lambda item: item.id, limit, after_id, before_id)
+    page = paginate(items, lambda item: item.id, limit, after_id, before_id,
+                    order_of=lambda item: (item.record.created_at, item.path),
+                    deleted=lambda cursor: manager.container_files.deleted_place(container,
+                                                                                 cursor))
     data = [render_container_file(item, scope_id) for item in page.items]
     return json_response({"data": data, "first_id": data[0]["id"] if data else None,
                           "last_id": data[-1]["id"] if data else None,

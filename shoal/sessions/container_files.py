@@ -19,6 +19,7 @@ import hashlib
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import BinaryIO
 
@@ -39,6 +40,25 @@ from .containers import ContainerManager
 
 class InvalidKey(FileAccessError):
     status = 400
+
+
+class DeletedPlaces:
+    """Where the last ``size`` deleted items stood in their listing's order: a
+    client that deletes each item of a page names a deleted one as the cursor of
+    the next (the ``openai`` SDK's pagination does), which was a 400."""
+
+    def __init__(self, size: int = 10_000) -> None:
+        self._places: OrderedDict = OrderedDict()
+        self._size = size
+
+    def remember(self, key: tuple, place: tuple) -> None:
+        self._places[key] = place
+        self._places.move_to_end(key)
+        while len(self._places) > self._size:
+            self._places.popitem(last=False)
+
+    def place(self, key: tuple) -> tuple | None:
+        return self._places.get(key)
 
 
 @dataclass(frozen=True)
@@ -125,6 +145,7 @@ class ContainerFiles:
         # One write of a path at a time, file and row together: two at once
         # could leave one's bytes on disk under the other's etag.
         self._writing: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._deleted = DeletedPlaces()
 
     def _lock(self, record: ContainerRecord, sandbox_path: str) -> asyncio.Lock:
         key = (record.tenant, record.id, sandbox_path)
@@ -141,6 +162,17 @@ class ContainerFiles:
             for sandbox_path in sorted(set(sandbox_paths)):
                 await held.enter_async_context(self._lock(record, sandbox_path))
             yield
+
+    def deleted_place(self, record: ContainerRecord, file_id: str) -> tuple | None:
+        """Where a file deleted through the API stood in a listing (its creation
+        time and path, as listings sort), if it is remembered."""
+        path = decode_file_id(file_id)
+        return self._deleted.place((record.tenant, record.id, path)) if path else None
+
+    def _forget(self, record: ContainerRecord, items: list[ContainerFile]) -> None:
+        for item in items:
+            self._deleted.remember((record.tenant, record.id, item.path),
+                                   (item.record.created_at, item.path))
 
     # Every method works inside ContainerManager.using: a container deleted since
     # the caller looked it up is a 404 (UnknownContainer), never files or rows
@@ -285,6 +317,7 @@ class ContainerFiles:
             async with self._lock(record, item.path):  # file and row together, as put
                 await asyncio.to_thread(files.delete, parse_path(item.path))
                 await self._metadata.delete_files(record.tenant, record.id, [item.path])
+            self._forget(record, [item])
             await self._containers.checkpoint(record)
         return item
 
@@ -375,6 +408,7 @@ class ContainerFiles:
                     await asyncio.to_thread(files.delete, parse_path(item.path))
                 await self._metadata.delete_files(record.tenant, record.id,
                                                   [item.path for item in doomed])
+            self._forget(record, doomed)
             if doomed:
                 await self._containers.checkpoint(record)
         return len(doomed)

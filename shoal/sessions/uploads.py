@@ -15,6 +15,7 @@ from typing import BinaryIO
 from shoal.sandbox import FileMissing, guess_mime_type
 from shoal.storage import FileStore, MetadataStore, UploadRecord
 
+from .container_files import DeletedPlaces
 from .containers import TenantQuotaExceeded
 
 
@@ -49,6 +50,7 @@ class Uploads:
         # while the lock is free. Tenants are those the tokens name: both stay small.
         self._pending: dict[str, list[int]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._deleted = DeletedPlaces()
 
     def _lock(self, tenant: str) -> asyncio.Lock:
         return self._locks.setdefault(tenant, asyncio.Lock())
@@ -118,4 +120,10 @@ class Uploads:
         record = await self.get(tenant, upload_id)
         await asyncio.to_thread(self._files.delete_upload, tenant, upload_id)
         await self._metadata.delete_upload(tenant, upload_id)
+        self._deleted.remember((tenant, upload_id), (record.created_at, record.id))
         return record
+
+    def deleted_place(self, tenant: str, upload_id: str) -> tuple | None:
+        """Where a deleted upload stood in the tenant's listing (its creation time
+        and id, as listings sort), if it is remembered."""
+        return self._deleted.place((tenant, upload_id))

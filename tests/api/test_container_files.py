@@ -652,6 +652,21 @@ def test_list_is_sorted_by_creation_and_pages_both_ways(http, scope):
     assert (start["data"], start["has_more"]) == ([], False)
 
 
+def test_a_page_after_a_deleted_item_goes_on_where_it_stood(http, scope):
+    ids = [put(http, scope, f"p/{i}.txt", b"p")["id"] for i in range(6)]
+    first = listing(http, scope, limit=2)
+    for item in first["data"]:
+        assert http.delete(f"/v1/files/{item['id']}", params={"scope_id": scope}).status_code == 200
+    following = listing(http, scope, limit=2, after_id=first["last_id"])
+    assert [item["id"] for item in following["data"]] == ids[2:4] and following["has_more"]
+    http.delete(f"/v1/files/{ids[4]}", params={"scope_id": scope})
+    back = listing(http, scope, limit=5, before_id=ids[4])
+    assert [item["id"] for item in back["data"]] == ids[2:4] and not back["has_more"]
+    # An id never handed out is still refused.
+    never = file_id(f"{UPLOADS}/never")
+    assert_error(http.get("/v1/files", params={"scope_id": scope, "after_id": never}), 400)
+
+
 def test_list_limit_defaults_to_20_and_must_be_1_to_1000(http, scope):
     ids = [put(http, scope, f"many/{i:02d}.txt", b"x")["id"] for i in range(21)]
     page = listing(http, scope)

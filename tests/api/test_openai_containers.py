@@ -139,3 +139,32 @@ def test_a_container_name_is_at_most_256_characters(client):
     longest = client.containers.create(name="\u00e9" * 256)  # characters, not bytes
     assert longest.name == "\u00e9" * 256
     client.containers.delete(longest.id)
+
+
+def test_deleting_each_file_while_the_sdk_pages_deletes_them_all(client):
+    """The SDK asks for each next page after the last item of the one before; a
+    client deleting every item as it goes named a deleted item, which was a 400
+    ("no item ... to page after") after the first page."""
+    container = client.containers.create(name="emptied")
+    made = {client.containers.files.create(container.id, file=(f"f{i}.txt", b"x")).id
+            for i in range(7)}
+    for order in ("desc", "asc"):
+        if order == "asc":
+            made = {client.containers.files.create(container.id, file=(f"g{i}.txt", b"y")).id
+                    for i in range(7)}
+        deleted = set()
+        for item in client.containers.files.list(container.id, limit=2, order=order):
+            client.containers.files.delete(item.id, container_id=container.id)
+            deleted.add(item.id)
+        assert deleted == made
+        assert list(client.containers.files.list(container.id)) == []
+
+    uploads = {client.files.create(file=(f"u{i}.txt", b"u"), purpose="user_data").id
+               for i in range(5)}
+    deleted = set()
+    for item in client.files.list(limit=2, order="desc"):
+        if item.id in uploads:
+            client.files.delete(item.id)
+            deleted.add(item.id)
+    assert deleted == uploads
+    client.containers.delete(container.id)
