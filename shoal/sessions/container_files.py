@@ -43,22 +43,26 @@ class InvalidKey(FileAccessError):
 
 
 class DeletedPlaces:
-    """Where the last ``size`` deleted items stood in their listing's order: a
-    client that deletes each item of a page names a deleted one as the cursor of
-    the next (the ``openai`` SDK's pagination does), which was a 400."""
+    """Where the last ``size`` items each tenant deleted stood in their listing's
+    order: a client that deletes each item of a page names a deleted one as the
+    cursor of the next (the ``openai`` SDK's pagination does), which was a 400.
+    Kept per tenant (the first element of each key), so one tenant's deletions
+    never push out another's; tenants are those the tokens name."""
 
     def __init__(self, size: int = 10_000) -> None:
-        self._places: OrderedDict = OrderedDict()
+        self._places: dict[str, OrderedDict] = {}
         self._size = size
 
     def remember(self, key: tuple, place: tuple) -> None:
-        self._places[key] = place
-        self._places.move_to_end(key)
-        while len(self._places) > self._size:
-            self._places.popitem(last=False)
+        places = self._places.setdefault(key[0], OrderedDict())
+        places[key] = place
+        places.move_to_end(key)
+        while len(places) > self._size:
+            places.popitem(last=False)
 
     def place(self, key: tuple) -> tuple | None:
-        return self._places.get(key)
+        places = self._places.get(key[0])
+        return places.get(key) if places is not None else None
 
 
 @dataclass(frozen=True)
