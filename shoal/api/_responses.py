@@ -14,6 +14,13 @@ from shoal.streaming import StreamingBody
 
 _SMALL_FILE_BYTES = 1024 * 1024
 _CHUNK = 1 << 20
+# What code and clients wrote is served from the API's own origin, inline when
+# asked: a browser must take it as the type it is named (no sniffing an image
+# into HTML), and HTML opened from it runs in a sandbox (an opaque origin, no
+# script), never as a page of the API.
+FILE_HEADERS = {"x-content-type-options": "nosniff",
+                "content-security-policy": "sandbox; default-src 'none'; img-src data:; "
+                                           "style-src 'unsafe-inline'"}
 
 
 def json_response(payload: object, status: int = 200, headers: dict | None = None) -> Response:
@@ -39,7 +46,7 @@ async def file_response(handle: BinaryIO, size: int, name: str, media_type: str,
     checked against): code may go on writing to a file being downloaded, and a
     read to its end served past the cap, or past the declared Content-Length,
     which cut the download off."""
-    headers = {"content-disposition": content_disposition(name, inline)}
+    headers = {"content-disposition": content_disposition(name, inline), **FILE_HEADERS}
     if size <= _SMALL_FILE_BYTES:
         with handle:
             data = await run_in_threadpool(handle.read, size)

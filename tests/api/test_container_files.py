@@ -761,6 +761,15 @@ def test_download_content(http, scope):
                       params={"scope_id": scope, "disposition": "inline"})
     assert inline.status_code == 200 and inline.content == PNG
     assert inline.headers["content-disposition"].startswith("inline")
+    # Code's HTML (the blob too, however its bytes look), opened inline from the
+    # API's origin: typed as named, and a sandboxed document if a browser opens it.
+    page_id = put(http, scope, "outputs/report.html", b"<script>fetch('/v1/files')</script>")["id"]
+    for fid in (page_id, blob_id, png_id):
+        served = http.get(f"/v1/files/{fid}/content",
+                          params={"scope_id": scope, "disposition": "inline"})
+        assert served.headers["x-content-type-options"] == "nosniff", served.headers
+        policy = served.headers["content-security-policy"].split("; ")
+        assert "sandbox" in policy and "default-src 'none'" in policy, policy
     explicit = http.get(f"/v1/files/{png_id}/content",
                         params={"scope_id": scope, "disposition": "attachment"})
     assert explicit.headers["content-disposition"].startswith("attachment")
