@@ -995,3 +995,14 @@ def test_oversized_upload_to_a_new_scope_creates_no_file(http, scope):
     assert_error(response, 413)
     listed = http.get("/v1/files", params={"scope_id": scope})
     assert listed.status_code == 404 or listed.json()["data"] == []
+
+
+def test_one_tenants_deletions_never_push_out_anothers_places():
+    from shoal.sessions.container_files import DeletedPlaces
+    places = DeletedPlaces(size=2)
+    places.remember(("acme", "c1", "/a"), (1.0, "/a"))
+    for n in range(5):  # another tenant deletes past the size
+        places.remember(("other", "c2", f"/{n}"), (float(n), f"/{n}"))
+    assert places.place(("acme", "c1", "/a")) == (1.0, "/a")
+    assert places.place(("other", "c2", "/0")) is None  # its own oldest went
+    assert places.place(("other", "c2", "/4")) == (4.0, "/4")
