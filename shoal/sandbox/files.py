@@ -149,10 +149,15 @@ def parse_path(raw: str, allow_file_id: bool = True) -> SandboxPath:
 class SandboxFiles:
     """Reads and writes one sandbox's files from the host, safely."""
 
-    def __init__(self, home: SandboxHome, uid: int, max_file_bytes: int) -> None:
+    def __init__(self, home: SandboxHome, uid: int, max_file_bytes: int,
+                 durable: bool = False) -> None:
         self._home = home
         self._uid = uid
         self._max_file_bytes = max_file_bytes
+        # Files that outlive their sandbox (a container's) are written through to
+        # the disk before a write returns: an acknowledged upload survives the
+        # host's crash, not only the server's. An ephemeral session's die with it.
+        self._durable = durable
 
     # -- walking --------------------------------------------------------------
     def _open_dir(self, mount: str, parts: tuple[str, ...], create: bool = False) -> int:
@@ -292,6 +297,8 @@ class SandboxFiles:
                             raise FileTooLarge(f"file is larger than {self._max_file_bytes} bytes")
                         target.write(chunk)
                     target.flush()  # its last write, so that the time is the file's
+                    if self._durable:
+                        os.fsync(target.fileno())
                     info = os.fstat(target.fileno())
                     if path.mount not in _ROOT_OWNED:  # read-only to code
                         os.fchown(target.fileno(), self._uid, self._uid)
@@ -299,6 +306,8 @@ class SandboxFiles:
                             dst_dir_fd=directory)
                     named = True
                 os.rename(temporary, path.parts[-1], src_dir_fd=directory, dst_dir_fd=directory)
+                if self._durable:
+                    os.fsync(directory)  # the name, as the bytes
             except BaseException:
                 if named:
                     try:

@@ -242,6 +242,7 @@ class SandboxPool:
             try:
                 cgroup = await asyncio.to_thread(self._adopt, sandbox_name, uid, home, memory_bytes)
                 sandbox = Sandbox(self, sandbox_name, uid, home, cgroup, None)
+                sandbox.durable_files = True
                 sandbox._process = await self._spawn(sandbox, preload=False)
             except BaseException as exc:
                 await asyncio.shield(asyncio.to_thread(self._discard, uid, home, cgroup))

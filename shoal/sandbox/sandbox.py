@@ -98,6 +98,9 @@ class Sandbox:
         self._closed = False
         # Called once the processes are gone; the pool sets it for files it owns.
         self.release_home: Callable[[], None] = lambda: None
+        # Whether the files outlive the sandbox (a container's): what the API
+        # writes into them is then on disk before it is acknowledged.
+        self.durable_files = False
         # Limit events already counted: none, in the fresh group every sandbox
         # gets (reading them cost two cgroup files on the event loop per launch).
         self._oom_seen = 0
@@ -354,7 +357,8 @@ class Sandbox:
     @property
     def files(self) -> SandboxFiles:
         """Host-side access to this sandbox's workspace, outputs and uploads."""
-        return SandboxFiles(self.home, self.uid, self._pool.settings.max_file_bytes)
+        return SandboxFiles(self.home, self.uid, self._pool.settings.max_file_bytes,
+                            durable=self.durable_files)
 
 
 def _utf8(text: str) -> bool:

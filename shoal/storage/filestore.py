@@ -115,6 +115,14 @@ class FileStore(abc.ABC):
         """Release what the store holds open (mounts); files stay."""
 
 
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _key(text: str, length: int) -> str:
     # Ids are client-chosen: never let one become a path component as it is.
     return hashlib.sha256(text.encode()).hexdigest()[:length]
@@ -185,7 +193,8 @@ class LocalFileStore(FileStore):
         return SandboxHome(volume.mount_point)
 
     def files(self, tenant: str, container_id: str, uid: int) -> SandboxFiles:
-        return SandboxFiles(self.home(tenant, container_id), uid, self._max_file_bytes)
+        return SandboxFiles(self.home(tenant, container_id), uid, self._max_file_bytes,
+                            durable=True)
 
     def detach(self, tenant: str, container_id: str) -> None:
         self.volume(tenant, container_id).unmount()
@@ -223,21 +232,34 @@ class LocalFileStore(FileStore):
         return self._uploads / _key(tenant, 16) / _key(upload_id, 32)
 
     def write_upload(self, tenant: str, upload_id: str, source: BinaryIO) -> int:
+        """Write an upload whole or not at all, on the disk before it returns.
+
+        The bytes go to a file without a name (``O_TMPFILE``), named once whole
+        and synced: a server killed mid-upload leaves nothing behind, and an
+        upload the client was told it has survives the host's crash. Ids are
+        new, so the name is made, never replaced."""
         target = self._upload_path(tenant, upload_id)
-        target.parent.mkdir(mode=0o700, exist_ok=True)
-        partial = target.with_suffix(".partial")
+        if not target.parent.is_dir():
+            target.parent.mkdir(mode=0o700, exist_ok=True)
+            _fsync_directory(target.parent.parent)
         written = 0
+        directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            with open(partial, "wb") as handle:
+            fd = os.open(".", os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, 0o600, dir_fd=directory)
+            with os.fdopen(fd, "wb") as handle:
                 while chunk := source.read(_CHUNK):
                     written += len(chunk)
                     if written > self._max_file_bytes:
                         raise FileTooLarge(f"file is larger than {self._max_file_bytes} bytes")
                     handle.write(chunk)
-            os.rename(partial, target)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
+                handle.flush()
+                os.fsync(handle.fileno())
+                # linkat(AT_SYMLINK_FOLLOW): CPython uses it only given a dir_fd
+                # (plain link() would link the /proc symlink itself: EXDEV).
+                os.link(f"/proc/self/fd/{handle.fileno()}", target.name, dst_dir_fd=directory)
+            os.fsync(directory)
+        finally:
+            os.close(directory)
         return written
 
     def open_upload(self, tenant: str, upload_id: str) -> tuple[BinaryIO, int]:
