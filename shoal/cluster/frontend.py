@@ -42,7 +42,7 @@ from shoal.streaming import StreamingBody, relayed
 from shoal.api.errors import PLACEMENT_HEADER, error_response
 from shoal.api.observability import ALIAS_PREFIX
 from shoal.config import MiB, Settings, read_secret
-from shoal.storage import open_metadata
+from shoal.storage import StoreUnavailable, open_metadata
 
 from .host import key_length
 from .membership import Host, Membership, NoHost
@@ -190,7 +190,7 @@ class FrontEnd:
             return error_response(request, exc.status_code, exc.detail)
         try:
             target = await self._target(request, body)
-        except NoHost as exc:
+        except (NoHost, StoreUnavailable) as exc:  # a placement it cannot look up, too
             return error_response(request, 503, str(exc))
         if isinstance(target, Response):
             return target
@@ -239,7 +239,7 @@ class FrontEnd:
                     host, probe = await self._placed(tenant, container_id, holder)
                 else:
                     host = self.membership.alive(holder) or self.membership.any()
-            except NoHost as exc:
+            except (NoHost, StoreUnavailable) as exc:
                 return error_response(request, 503, str(exc))
         if probe is not None:
             self.membership.handed_over(probe, adopted=False)

@@ -26,8 +26,9 @@ _CHUNK = 1 << 20
 
 
 class StoreUnavailable(RuntimeError):
-    """The store behind the files cannot be used now (an object store that is
-    down, refusing, or answered with something else than it was sent)."""
+    """The store behind the files or the metadata cannot be used now (an object
+    store that is down, refusing, or answered with something else than it was
+    sent; a database that is down, restarting or out of connections)."""
 
 
 class VolumeMissing(LookupError):

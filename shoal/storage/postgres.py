@@ -13,22 +13,32 @@ newer Shoal wrote is refused before anything is written.
 
 ``create_container`` is an insert that fails on a duplicate key: of two
 front ends creating the same container, exactly one gets it.
+
+A database that cannot answer now (down, restarting, failing over, out of
+connections) is StoreUnavailable, as an object store that cannot: a 503 with
+Retry-After in the route's dialect, never a 500 that says a bug. The pool
+reconnects on its own once the database is back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 from urllib.parse import urlsplit
 
 import asyncpg
 
+from .filestore import StoreUnavailable
 from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
                        UploadRecord)
 # One schema, one version sequence, one mapping of rows to records, for both stores.
 from .sqlite import (_FILE_COLUMNS, _MIGRATIONS, _TAKE_OVER, _TRIM_RUNS, SCHEMA_VERSION,
                      SchemaTooNew, _container, _file, _response_texts, _upload)
+
+log = logging.getLogger("shoal.storage")
 
 _LOCK_KEY = 0x5E0A1  # pg_advisory_xact_lock: one migrator at a time
 # pg_advisory_xact_lock(_UPLOADS_LOCK, hashtext(tenant)): one upload of a tenant is
@@ -82,6 +92,58 @@ def database_problem(url: str, timeout: float = 10.0) -> str | None:
     return asyncio.run(_check(url, timeout))
 
 
+# What says the database cannot answer now, not that a statement is wrong:
+# connections refused, reset or cut (class 08), a shutdown, a restart or a
+# cancelled statement (57), no connection slot or no disk left (53), a standby
+# that took the address in a failover (25006), a connect that timed out.
+_UNAVAILABLE = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError,
+                asyncpg.exceptions.OperatorInterventionError,
+                asyncpg.exceptions.InsufficientResourcesError,
+                asyncpg.exceptions.ReadOnlySQLTransactionError)
+
+
+@contextlib.contextmanager
+def _unavailable():
+    try:
+        yield
+    except _UNAVAILABLE as exc:
+        log.warning("the metadata database cannot answer: %s", type(exc).__name__)
+        raise StoreUnavailable("the metadata database cannot answer now; retry later") from exc
+
+
+class _Pool:
+    """The asyncpg pool's calls this store makes, with the database's outages
+    as StoreUnavailable."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+
+    async def execute(self, *args):
+        with _unavailable():
+            return await self._pool.execute(*args)
+
+    async def fetch(self, *args):
+        with _unavailable():
+            return await self._pool.fetch(*args)
+
+    async def fetchrow(self, *args):
+        with _unavailable():
+            return await self._pool.fetchrow(*args)
+
+    async def fetchval(self, *args):
+        with _unavailable():
+            return await self._pool.fetchval(*args)
+
+    @contextlib.asynccontextmanager
+    async def acquire(self):
+        with _unavailable():
+            async with self._pool.acquire() as db:
+                yield db
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+
 def _postgres_step(sql: str) -> str:
     return sql.replace(" REAL ", " DOUBLE PRECISION ")
 
@@ -98,11 +160,11 @@ class PostgresMetadataStore(MetadataStore):
     def __init__(self, url: str, min_size: int = 1, max_size: int = 10) -> None:
         self._url = url
         self._sizes = (min_size, max_size)
-        self._pool: asyncpg.Pool | None = None
+        self._pool: _Pool | None = None
 
     async def open(self) -> None:
-        self._pool = await asyncpg.create_pool(self._url, min_size=self._sizes[0],
-                                               max_size=self._sizes[1])
+        self._pool = _Pool(await asyncpg.create_pool(self._url, min_size=self._sizes[0],
+                                                     max_size=self._sizes[1]))
         try:
             await self._migrate()
         except BaseException:
@@ -136,7 +198,7 @@ class PostgresMetadataStore(MetadataStore):
             self._pool = None
 
     @property
-    def pool(self) -> asyncpg.Pool:
+    def pool(self) -> _Pool:
         if self._pool is None:
             raise RuntimeError("the metadata store is not open")
         return self._pool

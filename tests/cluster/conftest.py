@@ -53,10 +53,18 @@ class Postgres:
         self._as_postgres([f"{self.bin}/initdb", "-D", self.data, "-U", "postgres",
                            "--auth=scram-sha-256", f"--pwfile={password_file}", "-E", "UTF8"])
         os.unlink(password_file)
+        self.start()
+
+    def start(self) -> None:
         self._as_postgres([f"{self.bin}/pg_ctl", "-D", self.data, "-w", "-l",
                            os.path.join(self.root, "log"), "-o",
                            f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root}",
                            "start"])
+
+    def halt(self) -> None:
+        """Stop the server, its data kept (``start`` brings it back): a database
+        restarting, as in a failover or an upgrade."""
+        self._as_postgres([f"{self.bin}/pg_ctl", "-D", self.data, "-w", "-m", "fast", "stop"])
 
     def _as_postgres(self, argv: list[str]) -> None:
         done = subprocess.run(["runuser", "-u", "postgres", "--", *argv], text=True,
@@ -76,7 +84,9 @@ class Postgres:
 
     def stop(self) -> None:
         try:
-            self._as_postgres([f"{self.bin}/pg_ctl", "-D", self.data, "-m", "immediate", "stop"])
+            if os.path.exists(os.path.join(self.data, "postmaster.pid")):  # not halted
+                self._as_postgres([f"{self.bin}/pg_ctl", "-D", self.data, "-m", "immediate",
+                                   "stop"])
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
 

@@ -84,3 +84,60 @@ def test_two_front_ends_share_containers_and_take_racing_writes_to_a_new_thread(
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_database_that_cannot_answer_is_a_503_then_serves_again(tmp_path):
+    """PostgreSQL stops (a restart, a failover): what needs it is a 503 with
+    Retry-After in the route's dialect, on a server and on a cluster front end
+    (which looks up where a container is placed), never a 500 that says a bug;
+    once the database is back, the same server serves again, its pool
+    reconnected."""
+    import httpx
+
+    from shoal.cluster.frontend import create_front_end
+    from shoal.config import Settings
+
+    from .conftest import Postgres
+
+    database = Postgres()
+    try:
+        url = database.new_database()
+        server = start_server(tmp_path / "plain", uid_base=978_000, database_url=url)
+        app = create_front_end(Settings(data_dir=tmp_path / "front", run_dir=tmp_path / "run",
+                                        database_url=url, cluster="127.0.0.1:1"))
+        front = app.state.front_end
+
+        async def through_the_front_end_with_the_database_stopped(path: str) -> httpx.Response:
+            # Ray is not needed on this path: a container's request asks the
+            # database where the container is before it asks Ray anything.
+            await front.metadata.open()
+            try:
+                database.halt()
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://front") as http:
+                    return await http.get(path)
+            finally:
+                await front.metadata.close()
+
+        try:
+            with server.client() as http:
+                container = http.post("/v1/containers", json={"name": "c"}).json()["id"]
+                answer = asyncio.run(through_the_front_end_with_the_database_stopped(
+                    f"/v1/containers/{container}"))
+                assert answer.status_code == 503 and answer.headers["retry-after"], answer.text
+                assert answer.json()["error"]["type"] == "server_error", answer.text
+                for method, path, shape in (
+                        ("GET", f"/v1/containers/{container}", "error"),
+                        ("GET", "/v1/containers", "error"),
+                        ("POST", "/sessions", "detail"),  # on a container
+                        ("PUT", "/api/v1/app/thread/t-1/put-file/a.txt", "detail")):
+                    answer = http.request(method, path, json={"container": "t-2"}
+                                          if method == "POST" else None)
+                    assert answer.status_code == 503, (path, answer.status_code, answer.text)
+                    assert answer.headers["retry-after"] and shape in answer.json(), answer.text
+                database.start()
+                assert http.get(f"/v1/containers/{container}").status_code == 200
+        finally:
+            server.stop()
+    finally:
+        database.stop()
