@@ -535,9 +535,15 @@ class ContainerManager:
             await self._checkpoint_due(now)
             if self.settings.node_key:
                 await self._drop_stale_copies()
-        for record in await self.metadata.expired_containers(time.time()):
-            if self.settings.node_key and (record.tenant, record.id) not in self._held:
-                continue  # another host's: its holder reaps it
+        # A sandbox host reaps what is placed on it (another host's are its
+        # holder's), by the placements, not by what it used since it started: a
+        # host whose server restarted on its node holds what it held before, and
+        # the expired among them were reaped by no one, their rows and snapshots
+        # kept for ever.
+        for record in await self.metadata.expired_containers(time.time(),
+                                                             self.settings.node_key or None):
+            if self.settings.node_key:
+                self._held.add((record.tenant, record.id))  # its placement goes with it
             current = self._records.get((record.tenant, record.id), record)
             if current.expires_at > time.time():
                 continue  # touched since the last write-through

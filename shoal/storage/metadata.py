@@ -153,8 +153,10 @@ class MetadataStore(abc.ABC):
         """Oldest first."""
 
     @abc.abstractmethod
-    async def expired_containers(self, now: float) -> list[ContainerRecord]:
-        """Active containers, of every tenant, whose idle TTL has run out by ``now``."""
+    async def expired_containers(self, now: float,
+                                 host: str | None = None) -> list[ContainerRecord]:
+        """Active containers, of every tenant, whose idle TTL has run out by ``now``;
+        with ``host``, only those placed on that sandbox host."""
 
     # -- container files -----------------------------------------------------------
     @abc.abstractmethod

@@ -35,8 +35,8 @@ from .filestore import StoreUnavailable
 from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
                        UploadRecord)
 # One schema, one version sequence, one mapping of rows to records, for both stores.
-from .sqlite import (_FILE_COLUMNS, _MIGRATIONS, _TAKE_OVER, _TRIM_RUNS, SCHEMA_VERSION,
-                     SchemaTooNew, _container, _file, _response_texts, _upload)
+from .sqlite import (_FILE_COLUMNS, _MIGRATIONS, _PLACED_ON, _TAKE_OVER, _TRIM_RUNS,
+                     SCHEMA_VERSION, SchemaTooNew, _container, _file, _response_texts, _upload)
 
 log = logging.getLogger("shoal.storage")
 
@@ -274,10 +274,12 @@ class PostgresMetadataStore(MetadataStore):
                                      tenant, status)
         return [_container(row) for row in rows]
 
-    async def expired_containers(self, now: float) -> list[ContainerRecord]:
+    async def expired_containers(self, now: float,
+                                 host: str | None = None) -> list[ContainerRecord]:
         rows = await self.pool.fetch(f"SELECT {_CONTAINER_COLUMNS} FROM containers WHERE status = "
-                                     "'active' AND last_active_at + expires_after_minutes * 60 <= $1",
-                                     now)
+                                     "'active' AND last_active_at + expires_after_minutes * 60 <= $1"
+                                     + (_PLACED_ON.replace("?", "$2") if host else ""),
+                                     now, *([host] if host else []))
         return [_container(row) for row in rows]
 
     # -- container files -----------------------------------------------------------

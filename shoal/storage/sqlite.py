@@ -155,6 +155,10 @@ def schema_problem(path: Path) -> str | None:
 _FILE_COLUMNS = "tenant, container_id, path, created_at, size, source, etag, modified_ns"
 _CONTAINER_COLUMNS = ("tenant, id, name, created_at, last_active_at, expires_after_minutes, "
                       "status, implicit, memory_limit, network_policy")
+# Of the containers a query finds, those placed on one sandbox host (the last
+# parameter): looked up by the placements' key, per container found.
+_PLACED_ON = (" AND EXISTS (SELECT 1 FROM placements WHERE placements.tenant = containers.tenant"
+              " AND placements.id = containers.id AND placements.host = ?)")
 # create_container's upsert: a row that is no container any more (deleted, or
 # expired by the clock, the last parameter) is replaced; a live one is kept.
 _TAKE_OVER = (", ".join(f"{c} = excluded.{c}" for c in _CONTAINER_COLUMNS.split(", ")[2:])
@@ -348,10 +352,12 @@ class SqliteMetadataStore(MetadataStore):
                                 "AND status = ? ORDER BY created_at, id", (tenant, status))
         return [_container(row) for row in rows]
 
-    async def expired_containers(self, now: float) -> list[ContainerRecord]:
+    async def expired_containers(self, now: float,
+                                 host: str | None = None) -> list[ContainerRecord]:
         rows = await self._rows(f"SELECT {_CONTAINER_COLUMNS} FROM containers WHERE status = "
-                                "'active' AND last_active_at + expires_after_minutes * 60 <= ?",
-                                (now,))
+                                "'active' AND last_active_at + expires_after_minutes * 60 <= ?"
+                                + (_PLACED_ON if host else ""),
+                                (now, host) if host else (now,))
         return [_container(row) for row in rows]
 
     # -- container files -----------------------------------------------------------

@@ -438,3 +438,62 @@ def test_sessions_on_a_container_deleted_elsewhere_end_at_their_next_call(
             assert time.monotonic() < deadline, "the session outlived its container"
             time.sleep(0.5)
         assert one.get(f"/sessions/{session}").status_code == 404
+
+
+def _query(postgres_url: str, sql: str, *args) -> list[tuple]:
+    import asyncio
+
+    import asyncpg
+
+    async def query() -> list[tuple]:
+        db = await asyncpg.connect(postgres_url)
+        try:
+            return [tuple(row) for row in await db.fetch(sql, *args)]
+        finally:
+            await db.close()
+    return asyncio.run(query())
+
+
+def test_a_host_that_restarted_reaps_the_expired_containers_placed_on_it(
+        postgres_url, seaweedfs, tmp_path):
+    """A host's server that restarts on its node (it crashed, and the cluster
+    started another there, under the same key) still holds the containers placed
+    on it, and those that expire are its to reap: no other host reaps them, so
+    otherwise their rows and their snapshots stayed in the bucket for ever."""
+    bucket = seaweedfs.new_bucket()
+
+    def host():
+        return _front_end(tmp_path, "a", 978_500, postgres_url, seaweedfs, bucket,
+                          node_key="nhostffff", reaper_interval_seconds=0.5)
+
+    first = host()
+    try:
+        with first.client() as http:
+            idle, used = (http.post("/v1/containers", json={"name": name}).json()["id"]
+                          for name in ("idle", "used"))
+            for container in (idle, used):
+                assert http.post(f"/v1/containers/{container}/files",
+                                 files={"file": ("f.txt", b"one")}).status_code == 200
+    finally:
+        first.stop()
+    assert len(_manifests(seaweedfs, bucket)) == 2
+    # Idle for two hours (its TTL is one), as if its host had been down since.
+    _query(postgres_url, "UPDATE containers SET last_active_at = last_active_at - 7200 "
+           "WHERE id = $1", idle)
+
+    again = host()
+    try:
+        with again.client() as http:
+            deadline = time.monotonic() + 30
+            # Its snapshot deleted, then its row retired and its placement dropped.
+            while (len(_manifests(seaweedfs, bucket)) != 1
+                   or _query(postgres_url, "SELECT id FROM placements") != [(used,)]):
+                assert time.monotonic() < deadline, "the expired container was not reaped"
+                time.sleep(0.2)
+            assert http.get(f"/v1/containers/{idle}").status_code == 404
+            assert http.get(f"/v1/containers/{used}").status_code == 200
+        assert _query(postgres_url, "SELECT status FROM containers WHERE id = $1",
+                      idle) == [("expired",)]
+    finally:
+        again.stop()
+

@@ -61,6 +61,12 @@ async def test_containers_round_trip_scoped_by_tenant(store):
     assert await store.list_containers("beta") == []
     assert await store.expired_containers(moved.expires_at - 1) == []
     assert await store.expired_containers(moved.expires_at) == [moved]
+    # A sandbox host's: only those placed on it (of that tenant: ids are per tenant).
+    await store.claim_placement("beta", "cnt_1", "n1")
+    assert await store.expired_containers(moved.expires_at, "n1") == []
+    await store.claim_placement("alpha", "cnt_1", "n2")
+    assert await store.expired_containers(moved.expires_at, "n1") == []
+    assert await store.expired_containers(moved.expires_at, "n2") == [moved]
 
 
 async def test_create_container_refuses_an_existing_id(store):
