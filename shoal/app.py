@@ -140,4 +140,6 @@ def _reservations(app: FastAPI, settings: Settings, manager: SessionManager):
 
     reservations = Reservations(settings.ray_address, settings.node_id, NAMESPACE, room)
     app.state.reservations = reservations
+    # Expired containers whose host left the cluster are reaped by the others.
+    manager.containers.hosts_gone = reservations.hosts_gone
     return reservations

@@ -136,6 +136,18 @@ class Reservations:
             del self._under_way[name]
         return accepted and self.adopt(name)
 
+    async def hosts_gone(self, keys: set[str]) -> set[str]:
+        """Of these sandbox hosts (node keys), those whose node Ray reports dead,
+        or no more a host's (as front ends see it: shoal.cluster.membership)."""
+        from .host import HOST_RESOURCE, node_key
+
+        if not keys or not ray.is_initialized():
+            return set()  # none known gone (before start(), Ray is not asked)
+        nodes = await asyncio.to_thread(ray.nodes)
+        alive = {node_key(n["NodeID"]) for n in nodes
+                 if n.get("Alive") and n.get("Resources", {}).get(HOST_RESOURCE, 0) >= 1}
+        return set(keys) - alive
+
     async def start(self) -> None:
         self._connected = not ray.is_initialized()
         if self._connected:

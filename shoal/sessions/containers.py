@@ -32,7 +32,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 from shoal.config import Settings
 from shoal.sandbox import Sandbox, SandboxPool
@@ -117,6 +117,7 @@ class ContainerManager:
         self._creating: dict[tuple[str, str], asyncio.Lock] = {}
         self._held: set[tuple[str, str]] = set()  # placed on this host (cluster mode)
         self._stale_cursor = 0  # where the next round of _drop_stale_copies starts
+        self._orphans_cursor = 0  # and of _reap_orphans
         self._server_started = time.time()
         # Work on containers' files under way (see using()), and the containers
         # being retired, which no new work may start on.
@@ -127,6 +128,9 @@ class ContainerManager:
         # retired or moved elsewhere, before its sandbox here stops: the session
         # manager ends the sessions attached to it.
         self.on_retire: Callable[[str, str], None] = lambda tenant, container_id: None
+        # Cluster mode, set where the cluster can be asked (a sandbox host on Ray):
+        # of the sandbox hosts named, those whose node left the cluster.
+        self.hosts_gone: Callable[[set[str]], Awaitable[set[str]]] | None = None
 
     # -- records --------------------------------------------------------------------
     def _check_minutes(self, minutes: int | None) -> int:
@@ -558,6 +562,38 @@ class ContainerManager:
                 time.time() - RETIRED_ROWS_KEPT_SECONDS)
             if forgotten:
                 log.info("forgot %d containers retired more than a day ago", forgotten)
+        if self.settings.node_key and self.hosts_gone is not None:
+            await self._reap_orphans()  # last: Ray not answering stops nothing else
+
+    async def _reap_orphans(self) -> None:
+        """Cluster mode: expired containers placed on a host whose node left the
+        cluster (or on none), a few per round. No holder is left to reap them,
+        and a front end moves a container only for its next use, which an
+        expired one never gets: so of every host lost, the containers no one
+        used again kept their rows and their snapshots for ever. Each is taken
+        over here (atomically: of the hosts doing this, one gets it) and
+        retired, its snapshot with it."""
+        host = self.settings.node_key
+        others = [record for record in await self.metadata.expired_containers(time.time())
+                  if (record.tenant, record.id) not in self._held]
+        if not others or self.hosts_gone is None:
+            return
+        start = self._orphans_cursor % len(others)
+        batch = (others[start:] + others[:start])[:_STALE_COPIES_PER_ROUND]
+        self._orphans_cursor = start + len(batch)
+        holders = {(r.tenant, r.id): await self.metadata.placement(r.tenant, r.id) for r in batch}
+        gone = await self.hosts_gone({holder for holder in holders.values() if holder})
+        for record in batch:
+            key = (record.tenant, record.id)
+            holder = holders[key]
+            if holder is not None and holder not in gone:
+                continue  # its holder's to reap
+            if await self.metadata.claim_placement(*key, host, replacing=holder) != host:
+                continue  # another host took it over first
+            self._held.add(key)
+            log.info("container %s expired on sandbox host %s, which left the cluster: "
+                     "retired here", record.id, holder)
+            await self._retire(record, "expired")
 
     async def _drop_stale_copies(self) -> None:
         """Cluster mode: this host's copies of containers it does not hold, dropped

@@ -25,6 +25,7 @@ from httpx_sse import connect_sse
 
 from shoal.cluster.host import key_length
 from shoal.config import Settings
+from shoal.storage.snapshots import Snapshots
 from tests.api.contract import load_contract, schema_checker
 from tests.api.test_conformance import assert_conformant, run_checks
 from tests.serving import start_server
@@ -60,6 +61,7 @@ def cluster(postgres_url, seaweedfs, tmp_path):
         return server
 
     ray.front_end = front_end
+    ray.bucket, ray.database_url, ray.seaweedfs = bucket, postgres_url, seaweedfs
     try:
         yield ray
     finally:
@@ -185,6 +187,19 @@ def test_a_container_comes_back_on_another_node_after_kill_9_of_its_node(cluster
         node_id, index = next((n, i) for n, i in _ray_nodes(cluster).items()
                               if n.startswith(node[1:]))
         cluster.kill_node(node_id)  # acknowledged, and then the node dies at once
+        # Another container the dead host held, snapshotted, and idle an hour:
+        # no one uses it again, so a live host reaps it, snapshot and all.
+        orphan, home = "cnt_orphan", tmp_path / "orphan"
+        (home / "workspace").mkdir(parents=True)
+        (home / "workspace" / "o.txt").write_text("o")
+        snapshots = Snapshots(cluster.seaweedfs.client(), cluster.bucket, "shoal/")
+        snapshots.save("default", orphan, home, None, sandboxed=True)
+        idle = time.time() - 3600  # past its TTL (20 minutes), not a day: kept retired
+        _sql(cluster, "INSERT INTO containers (tenant, id, name, created_at, last_active_at, "
+             "expires_after_minutes, status, implicit) VALUES ('default', $1, 'orphan', $2, $2, "
+             "20, 'active', 0)", orphan, idle)
+        _sql(cluster, "INSERT INTO placements (tenant, id, host, since) VALUES ('default', $1, "
+             "$2, $3)", orphan, node, idle)
 
         # Until Ray declares the node dead the front end says to retry; then the
         # container moves to a live node, which restores it from its snapshot.
@@ -217,6 +232,12 @@ def test_a_container_comes_back_on_another_node_after_kill_9_of_its_node(cluster
             time.sleep(0.2)
         assert gone.status_code == 404, gone.text
         assert one.delete(f"/sessions/{session}").status_code == 204
+    deadline = time.monotonic() + 60
+    while _sql(cluster, "SELECT status FROM containers WHERE id = $1", orphan) != [("expired",)]:
+        assert time.monotonic() < deadline, "no host reaped the gone host's expired container"
+        time.sleep(0.5)
+    assert snapshots.manifest("default", orphan) is None
+    assert _sql(cluster, "SELECT host FROM placements WHERE id = $1", orphan) == []
     # Nothing the dead host held stays reserved: Ray counts the live nodes' slots
     # less the one session they hold (a probe the dead host had adopted, which
     # Ray moves to a live node, is swept by that node's host).
@@ -330,6 +351,20 @@ def test_a_crashed_host_is_passed_over_at_once_then_replaced(cluster):
             assert http.delete(f"/sessions/{session}").status_code == 204
     # Nothing stays reserved: not the dead server's, not a probe given back.
     _free_slots_become(cluster, 3 * 6, seconds=60)
+
+
+def _sql(cluster, sql: str, *args) -> list[tuple]:
+    import asyncio
+
+    import asyncpg
+
+    async def run() -> list[tuple]:
+        db = await asyncpg.connect(cluster.database_url)
+        try:
+            return [tuple(row) for row in await db.fetch(sql, *args)]
+        finally:
+            await db.close()
+    return asyncio.run(run())
 
 
 def _free_slots_become(cluster, expected: int, seconds: float = 30) -> None:
