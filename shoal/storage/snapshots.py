@@ -40,7 +40,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from .filestore import StoreUnavailable, _key
 
@@ -241,9 +241,19 @@ class Snapshots:
         body = manifest.encode()
         self._client.put_object(Bucket=self._bucket, Key=base + "manifest.json", Body=body,
                                 ContentMD5=_md5(body))
-        # Content only the replaced manifest named: gone once the new one is in place.
+        # Content only the replaced manifest named: gone once the new one is in
+        # place. The snapshot is taken by then, whatever comes of this: a save
+        # that failed here had its caller go on from the replaced manifest, whose
+        # content (some of it deleted) it took for stored and named again
+        # without sending it, a snapshot that no longer restores. What a failed
+        # deletion leaves, no manifest names; it goes with the container.
         for digest in (previous.blobs() if previous is not None else set()) - manifest.blobs():
-            self._client.delete_object(Bucket=self._bucket, Key=f"{base}blobs/{digest}")
+            try:
+                self._client.delete_object(Bucket=self._bucket, Key=f"{base}blobs/{digest}")
+            except (ClientError, BotoCoreError) as exc:
+                log.warning("could not delete a replaced snapshot's content (it stays until the "
+                            "container is deleted): %s", type(exc).__name__)
+                break
         return manifest, sent
 
     def _put_blob(self, base: str, directory: int, name: str, entry: list, stored: set[str],
