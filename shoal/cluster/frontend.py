@@ -76,6 +76,18 @@ def _named_container(body: dict) -> str | None:
     return next((c for c in candidates if isinstance(c, str) and c), None)
 
 
+def _json_body(content_type: str) -> bool:
+    """Whether a host reads a body of this type as JSON, as FastAPI does: with no
+    type at all, or any ``json`` or ``…+json`` one. (A front end that read fewer
+    missed the container such a body names: it sent the request where Ray placed
+    it, whose host answered 421 naming the holder, and when the holder was gone
+    the container never moved, a 503 every time.)"""
+    if not content_type:
+        return True
+    subtype = content_type.split(";", 1)[0].strip().lower().partition("/")[2]
+    return subtype == "json" or subtype.endswith("+json")
+
+
 class FrontEnd:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -119,7 +131,7 @@ class FrontEnd:
                 return match.group(1)
         if request.query_params.get("scope_id"):
             return request.query_params["scope_id"]
-        if body and request.headers.get("content-type", "").startswith("application/json"):
+        if body and _json_body(request.headers.get("content-type", "")):
             try:
                 parsed = json.loads(body)
             except ValueError:

@@ -13,6 +13,7 @@ session on the dead node is gone (404), never reported live.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import threading
@@ -277,7 +278,8 @@ def test_a_drained_host_finishes_its_calls_then_its_containers_move(cluster):
         _free_slots_become(cluster, 2 * 6)
         # Drained: nothing new goes there, its session is gone, and the container
         # moves with everything the last call wrote (snapshotted as the host stopped).
-        moved = http.post("/sessions", json={"container": container})
+        # The body that moves it has no content type, which hosts read as JSON too.
+        moved = http.post("/sessions", content=json.dumps({"container": container}))
         assert moved.status_code == 201, moved.text
         again = moved.json()["session_id"]
         assert _host_of(again) != node
