@@ -12,7 +12,8 @@ answer back (server-sent events included):
   container placed nowhere yet, or on a host that is gone, goes (atomically)
   where Ray's scheduler places it, which restores it from its snapshot.
 - a new session or run: where Ray's scheduler places it (``Membership.place``);
-- anything else (a stored record, a file): any host.
+- anything else (a stored record, a file), and anything without a tenant's
+  token (which a host refuses): any host.
 
 Whatever the first guess, the host decides: one that is asked about a
 container another host holds answers 421 naming the holder, and the front end
@@ -190,8 +191,13 @@ class FrontEnd:
         container_id = self._container_of(request, body)
         if tenant is not None and container_id is not None:
             return await self._placed(tenant, container_id)
-        if request.method == "POST" and path in _NEW_SANDBOX:
+        if request.method == "POST" and path in _NEW_SANDBOX and tenant is not None:
             return await self.membership.place()
+        # A request without a tenant's token (a host answers 401) asks Ray for no
+        # slot: else each took one while it went to a host and back, a flood of
+        # them queued on Ray's scheduler before every tenant's placements, and on
+        # a full cluster such a client was told to retry (503), never that its
+        # token is wrong.
         return self.membership.any(), None
 
     # -- forwarding ---------------------------------------------------------------------

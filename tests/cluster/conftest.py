@@ -172,11 +172,12 @@ class RayCluster:
     ends' drivers attach: Ray gives a driver the head among several nodes on one
     host) and ``nodes`` sandbox host nodes (``shoal_host``), each with Shoal
     settings of its own: its data directory, uid range and name, on the given
-    database and bucket. Separate ``ray start`` processes, as on separate
+    database and bucket (and ``settings``, ``SHOAL_*`` variables every node
+    shares). Separate ``ray start`` processes, as on separate
     machines; torn down by killing exactly them."""
 
     def __init__(self, nodes: int, database_url: str, seaweedfs, bucket: str,
-                 uid_base: int) -> None:
+                 uid_base: int, settings: dict[str, str] | None = None) -> None:
         from tests.serving import launcher, uid
 
         self.root = tempfile.mkdtemp(prefix="shoal-ray-", dir="/tmp")  # short: socket paths
@@ -219,6 +220,7 @@ class RayCluster:
                 "SHOAL_POOL_SIZE": "1", "SHOAL_MEMORY_LIMIT_MIB": "512", "SHOAL_DRAIN_SECONDS": "0",
                 "SHOAL_MAX_SESSIONS": "6",
                 "SHOAL_SNAPSHOT_INTERVAL_SECONDS": "1", "SHOAL_REAPER_INTERVAL_SECONDS": "0.5",
+                **(settings or {}),
             })
             if launcher():
                 env["SHOAL_LAUNCHER"] = launcher()

@@ -355,6 +355,48 @@ def test_a_crashed_host_is_passed_over_at_once_then_replaced(cluster):
     _free_slots_become(cluster, 3 * 6, seconds=60)
 
 
+def test_a_request_without_a_tenants_token_asks_ray_for_no_slot(postgres_url, seaweedfs,
+                                                                tmp_path):
+    """With tenants' tokens, a request that would start a sandbox but carries no
+    tenant's token goes to a host, which refuses it (401), without a slot asked
+    of Ray's scheduler first: on a full cluster it is still a 401 (it was a 503,
+    to retry), and a flood of them does not queue on Ray before the tenants'
+    placements."""
+    bucket = seaweedfs.new_bucket()
+    ray = RayCluster(1, postgres_url, seaweedfs, bucket, uid_base=980_000,
+                     settings={"SHOAL_TOKENS": "tok-a=alpha"})
+    front = None
+    try:
+        secret = tmp_path / "front.secret"
+        secret.write_text(seaweedfs.secret_key)
+        front = start_server(tmp_path / "front", uid_base=982_000, cluster=ray.address,
+                             tokens="tok-a=alpha", database_url=postgres_url,
+                             object_store=f"s3://{bucket}/shoal",
+                             object_store_endpoint=seaweedfs.endpoint,
+                             object_store_access_key=seaweedfs.ACCESS_KEY,
+                             object_store_secret_key=f"@{secret}")
+        deadline = time.monotonic() + 180
+        while httpx.get(f"{front.url}/health").json()["ready"] < 1:
+            assert time.monotonic() < deadline, front.log()
+            time.sleep(0.5)
+        with front.client("tok-a") as tenant, front.client() as anonymous, \
+                front.client("not-a-token") as wrong:
+            # The node's six slots taken (Ray's count converging on the host's).
+            deadline = time.monotonic() + 30
+            while (made := tenant.post("/sessions", json={})).status_code == 201:
+                assert time.monotonic() < deadline, made.text
+            assert made.status_code == 503, made.text
+            for http in (anonymous, wrong):
+                for path, body in (("/sessions", {}), ("/sessions", {"container": "c-1"}),
+                                   ("/v1/code-execution/runs", {"code": "1"})):
+                    refused = http.post(path, json=body)
+                    assert refused.status_code == 401, (path, refused.status_code, refused.text)
+    finally:
+        if front is not None:
+            front.stop()
+        ray.stop()
+
+
 def _sql(cluster, sql: str, *args) -> list[tuple]:
     import asyncio
 
