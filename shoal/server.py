@@ -180,8 +180,14 @@ def serve_front_end(settings: Settings) -> int:
         return _refuse([str(exc)])
     from .cluster.frontend import create_front_end
 
-    server = _AnnouncingServer(_uvicorn_config(create_front_end(settings), settings),
-                               f"shoal: serving on {_url_of(listener)} (cluster front end)")
+    from .draining import DrainingServer
+
+    app = create_front_end(settings)
+    line = f"shoal: serving on {_url_of(listener)} (cluster front end)"
+    # It drains as a host does: a balancer sees /readyz fail while it still
+    # serves, and the requests it relays finish before it goes.
+    server = DrainingServer(_uvicorn_config(app, settings), app,
+                            on_started=lambda: print(line, file=sys.stderr, flush=True))
     return _run(server, listener, "the cluster front end could not start")
 
 
@@ -212,19 +218,6 @@ def _uvicorn_config(app, settings: Settings) -> uvicorn.Config:
         timeout_graceful_shutdown=2,  # after the drain (shoal.draining)
         timeout_keep_alive=settings.keep_alive_seconds,
         limit_concurrency=settings.max_connections)
-
-
-class _AnnouncingServer(uvicorn.Server):
-    """Says where it serves once it does (the line tests and operators wait for)."""
-
-    def __init__(self, config: uvicorn.Config, line: str) -> None:
-        super().__init__(config)
-        self._line = line
-
-    async def on_tick(self, counter: int) -> bool:
-        if counter == 0 and self.started:
-            print(self._line, file=sys.stderr, flush=True)
-        return await super().on_tick(counter)
 
 
 def serve(settings: Settings) -> int:

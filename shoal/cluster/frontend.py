@@ -298,6 +298,9 @@ def create_front_end(settings: Settings) -> Starlette:
                              "free_slots": front.membership.free_slots})
 
     async def readyz(request: Request) -> Response:
+        if request.app.state.draining:  # SIGTERM (shoal.draining): out of the balancer
+            return JSONResponse({"ready": False, "reasons": ["draining"]}, status_code=503,
+                                headers={"Retry-After": "1"})
         up = any(h.healthy for h in front.membership.hosts.values())
         return JSONResponse({"ready": up}, status_code=200 if up else 503)
 
@@ -314,4 +317,6 @@ def create_front_end(settings: Settings) -> Starlette:
         Route("/health", health), Route("/readyz", readyz), Route("/livez", livez),
         Route("/{path:path}", front.handle, methods=methods)])
     app.state.front_end = front
+    app.state.settings = settings
+    app.state.draining = False
     return app

@@ -291,6 +291,26 @@ def test_a_drained_host_finishes_its_calls_then_its_containers_move(cluster):
         fresh = [http.post("/sessions", json={}).json()["session_id"] for _ in range(4)]
         assert node not in {_host_of(s) for s in fresh}
 
+        # The front end drains too: at SIGTERM its /readyz fails at once, for the
+        # balancer, while it goes on serving, and a call it relays finishes.
+        answers.clear()
+        relayed = threading.Thread(target=lambda: answers.append(http.post(
+            f"/sessions/{again}/exec", json={"tool": "code_execution", "input": {
+                "code": "import time\ntime.sleep(3)\nprint('relayed')"}})))
+        relayed.start()
+        time.sleep(1)
+        front.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with front.client() as other:
+            ready = other.get("/readyz")
+            assert (ready.status_code, ready.json()) == (503, {"ready": False,
+                                                               "reasons": ["draining"]})
+            assert other.get("/v1/containers").status_code == 200  # still serving
+        relayed.join(60)
+        assert answers and answers[0].status_code == 200, answers
+        assert answers[0].json()["result_block"]["content"]["stdout"] == "relayed\n"
+        assert front.process.wait(60) is not None
+
 
 def test_a_crashed_host_is_passed_over_at_once_then_replaced(cluster):
     """``kill -9`` of a host's server, its node alive. Ray still offers the node's
