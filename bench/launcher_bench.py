@@ -7,7 +7,9 @@ Starts a real ``shoal serve`` and drives it with a raw keep-alive client
 measured in the same run:
 
 - create session p50/p99, with a warm sandbox waiting (the steady state);
-- first exec in a fresh session, and a trivial exec (``x = 1``) p50/p99;
+- first exec in a fresh session, and a trivial exec (``x = 1``) p50/p99, with
+  the CPU each trivial exec costs the server and the sandbox, beside the
+  server's CPU per ``/health`` (what is left of the wall is wake-ups);
 - ``import pandas`` plus a saved matplotlib figure in a fresh session, and the
   same chart again in that session (the fresh one's extra is the fork's
   copy-on-write faults; what both pay is the libraries' own cost);
@@ -109,6 +111,40 @@ def pss_of_uids(uids) -> tuple[int, int]:
     return total, count
 
 
+def cpu_seconds(pids) -> float:
+    """User and system CPU time of these processes (threads included), in seconds."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def pids_of_uid(uid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            status = Path(f"/proc/{name}/status").read_text() if name.isdigit() else ""
+            if status and int(status.split("\nUid:\t", 1)[1].split()[0]) == uid:
+                found.append(int(name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+async def cpu_per_request(connection: Connection, method: str, path: str, body: bytes,
+                          server: int, sandbox: list[int], n: int) -> tuple[float, float]:
+    """CPU microseconds per request, (the server's, the sandbox's), over ``n`` in a row."""
+    before = cpu_seconds([server]), cpu_seconds(sandbox)
+    for _ in range(n):
+        await connection.request(method, path, body)
+    return ((cpu_seconds([server]) - before[0]) / n * 1e6,
+            (cpu_seconds(sandbox) - before[1]) / n * 1e6)
+
+
 async def timed(connection: Connection, method: str, path: str, body: bytes = b"") -> tuple[float, bytes]:
     started = time.perf_counter()
     status, answer = await connection.request(method, path, body)
@@ -150,6 +186,16 @@ async def figures(port: int, pool_size: int, pid: int) -> None:
     trivial = [(await timed(control, "POST", f"/sessions/{sessions[0]}/exec", exec_body("x = 1")))[0]
                for _ in range(2000)]
     line("trivial exec (x = 1)", trivial, h50)
+    # Where it goes: CPU per call of the server and of the session's processes,
+    # beside the server's for /health (the rest of the wall is wake-ups).
+    _, body = await timed(control, "POST", f"/sessions/{sessions[0]}/exec",
+                          exec_body("import os\nprint(os.getuid())"))
+    sandbox = pids_of_uid(int(json.loads(body)["result_block"]["content"]["stdout"]))
+    exec_cpu = await cpu_per_request(control, "POST", f"/sessions/{sessions[0]}/exec",
+                                     exec_body("x = 1"), pid, sandbox, 3000)
+    health_cpu = await cpu_per_request(control, "GET", "/health", b"", pid, [], 3000)
+    print(f"{'  CPU per trivial exec: server / sandbox':<44} {exec_cpu[0]:6.0f} / {exec_cpu[1]:.0f} us"
+          f"   (/health: server {health_cpu[0]:.0f} us)", flush=True)
     chart = ("import pandas as pd\nimport matplotlib.pyplot as plt\n"
              "pd.DataFrame({'a': [1, 2, 3]}).plot()\nplt.savefig('/mnt/user-data/outputs/c.png')\n"
              "plt.close('all')")
