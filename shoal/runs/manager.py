@@ -324,10 +324,13 @@ class RunManager:
         run.error = reason
         if run.tools is not None:
             run.tools.fail_all(f"the run was {reason}")
-        if run.sandbox is not None:
-            await run.sandbox.cancel()
-        elif run.task is not None and not run.finished.is_set():
-            run.task.cancel()  # still acquiring its sandbox
+        if run.sandbox is not None and await run.sandbox.cancel(caller=run):
+            return
+        if run.task is not None and not run.finished.is_set() and run.result is None:
+            # Its code is not running: it is still acquiring its sandbox, laying
+            # out its files, or queued behind another run on its container's
+            # sandbox (whose call is that run's, not this one's to stop).
+            run.task.cancel()
 
     # -- executing --------------------------------------------------------------------------------
     async def _execute(self, run: Run, slot: Slot) -> None:
@@ -399,13 +402,13 @@ class RunManager:
             on_output = lambda stream, text: run.emit(  # noqa: E731
                 "run.output", {"stream": stream, "text": text}, bounded=True)
             if request.language == "bash":
-                run.result = await sandbox.run_bash(request.code, timeout, on_output)
+                run.result = await sandbox.run_bash(request.code, timeout, on_output, caller=run)
             elif request.language == "edit":
-                run.result = await sandbox.edit(request.edit or {}, timeout)
+                run.result = await sandbox.edit(request.edit or {}, timeout, caller=run)
             else:
                 runner = sandbox.run_python if request.language == "python" else sandbox.run_javascript
                 run.result = await runner(request.code, timeout, on_output, stubs=stubs,
-                                          tools=run.tools, external_files=caronte)
+                                          tools=run.tools, external_files=caronte, caller=run)
             if request.caronte_files:
                 run.files = await self._keep_files(run, sandbox)
             elif container is not None:

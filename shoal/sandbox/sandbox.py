@@ -76,11 +76,12 @@ class _Collector:
 class _Running:
     """The call in progress: its id on the channel, its tool traffic, whether it was cancelled."""
 
-    __slots__ = ("call_id", "exchange", "cancelled", "reason")
+    __slots__ = ("call_id", "exchange", "cancelled", "reason", "caller")
 
-    def __init__(self, call_id: int, exchange: ToolExchange) -> None:
+    def __init__(self, call_id: int, exchange: ToolExchange, caller: object = None) -> None:
         self.call_id = call_id
         self.exchange = exchange
+        self.caller = caller
         self.cancelled = False
         self.reason: str | None = None
 
@@ -118,35 +119,44 @@ class Sandbox:
     async def run_python(self, code: str, timeout: float | None = None,
                          on_output: OutputCallback | None = None, *,
                          stubs: StubSpec | None = None, tools: ToolHandler | None = None,
-                         external_files: bool = False) -> ExecResult:
+                         external_files: bool = False, caller: object = None) -> ExecResult:
         """Run a cell in the persistent interpreter. ``stubs`` are tool stubs the
-        code may call; ``tools`` decides and answers those calls."""
+        code may call; ``tools`` decides and answers those calls. ``caller``
+        names the call for ``cancel(caller=...)``."""
         return await self._call({"op": "python", "code": code}, timeout, on_output,
-                                stubs, tools, external_files)
+                                stubs, tools, external_files, caller)
 
     async def run_bash(self, command: str, timeout: float | None = None,
-                       on_output: OutputCallback | None = None) -> ExecResult:
-        return await self._call({"op": "bash", "command": command}, timeout, on_output)
+                       on_output: OutputCallback | None = None, *,
+                       caller: object = None) -> ExecResult:
+        return await self._call({"op": "bash", "command": command}, timeout, on_output,
+                                caller=caller)
 
     async def run_javascript(self, code: str, timeout: float | None = None,
                              on_output: OutputCallback | None = None, *,
                              stubs: StubSpec | None = None, tools: ToolHandler | None = None,
-                             external_files: bool = False) -> ExecResult:
+                             external_files: bool = False, caller: object = None) -> ExecResult:
         """Run a script on Bun, in a process of its own (no state between calls)."""
         return await self._call({"op": "javascript", "code": code}, timeout, on_output,
-                                stubs, tools, external_files)
+                                stubs, tools, external_files, caller)
 
-    async def edit(self, request: dict, timeout: float | None = None) -> ExecResult:
+    async def edit(self, request: dict, timeout: float | None = None, *,
+                   caller: object = None) -> ExecResult:
         """Run one text-editor command (``view``, ``create``, ``str_replace``, ``insert``,
         ``undo_edit``) with Anthropic's field names."""
-        return await self._call({"op": "edit", "request": request}, timeout, None)
+        return await self._call({"op": "edit", "request": request}, timeout, None,
+                                caller=caller)
 
-    async def cancel(self, reason: str | None = None) -> bool:
+    async def cancel(self, reason: str | None = None, *, caller: object = None) -> bool:
         """Stop the call in progress: interrupted at once, its processes killed if it
         does not stop within a grace period. ``reason`` ends the call's stderr.
-        False if no call was running."""
+        With ``caller``, only a call made with that ``caller``: a container's
+        sandbox serves its runs one after another, and a run still queued must
+        not stop the one ahead of it. False if no such call was running."""
         running = self._running
         if running is None or running.cancelled:
+            return False
+        if caller is not None and running.caller is not caller:
             return False
         running.cancelled = True
         running.reason = reason
@@ -180,7 +190,8 @@ class Sandbox:
     # -- internals ----------------------------------------------------------------
     async def _call(self, message: dict, timeout: float | None,
                     on_output: OutputCallback | None, stubs: StubSpec | None = None,
-                    tools: ToolHandler | None = None, external_files: bool = False) -> ExecResult:
+                    tools: ToolHandler | None = None, external_files: bool = False,
+                    caller: object = None) -> ExecResult:
         settings = self._pool.settings
         # min() before float(): an absurd integer timeout must clamp, not overflow.
         requested = float(min(timeout, 10**9)) if timeout is not None else float(
@@ -202,7 +213,7 @@ class Sandbox:
             started = time.perf_counter()
             channel = self._process.channel
             call_id = channel.next_call_id()
-            running = _Running(call_id, ToolExchange(channel.send, call_id, tools))
+            running = _Running(call_id, ToolExchange(channel.send, call_id, tools), caller)
             self._running = running
             try:
                 async with asyncio.timeout(limit + BACKSTOP_SECONDS) as scope:

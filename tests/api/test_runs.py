@@ -993,3 +993,40 @@ def test_a_javascript_exit_code_and_no_package_installs(http):
     end = final(collect(http, language="javascript",
                         code="process.stdout.write('y'.repeat(200000)); process.exit(4)"))
     assert end["exit_code"] == 4 and end["stdout"].startswith("y" * 1000)
+
+
+def test_cancelling_a_run_queued_on_a_container_stops_it_and_not_the_run_ahead(http, runs_server):
+    """Runs on one container share its sandbox, one after another. A DELETE of
+    the run still waiting stopped the call in progress, the other run's (which
+    ended "completed" with exit code 130), while the cancelled run's code ran
+    anyway and answered "cancelled" with its output."""
+    cid = http.post("/v1/containers", json={"name": "queue"}).json()["id"]
+    ahead: list = []
+    running = threading.Event()
+
+    def run_ahead() -> None:
+        with runs_server.client() as own, run_stream(own, container=cid, code=(
+                "import time\nprint('ahead started', flush=True)\ntime.sleep(3)\n"
+                "print('ahead done')")) as source:
+            for sse in source.iter_sse():
+                ahead.append(sse)
+                if sse.event == "run.output":
+                    running.set()
+
+    thread = threading.Thread(target=run_ahead)
+    thread.start()
+    try:
+        assert running.wait(30), "the first run never printed"
+        with run_stream(http, container=cid, code="print('queued ran')") as source:
+            stream = source.iter_sse()
+            run_id = next(stream).json()["runId"]
+            cancelled = http.delete(f"/v1/code-execution/runs/{run_id}")
+            assert cancelled.status_code == 200, cancelled.text
+            queued = final(list(stream))
+    finally:
+        thread.join(60)
+    assert queued["event"] == "run.failed" and queued["status"] == "cancelled"
+    assert "queued ran" not in queued["stdout"], queued
+    first = final(ahead)
+    assert first["event"] == "run.completed" and first["exit_code"] == 0, first
+    assert first["stdout"] == "ahead started\nahead done\n"
