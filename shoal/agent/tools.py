@@ -31,6 +31,8 @@ import time
 import types
 from typing import Callable
 
+from .protocol import MAX_FRAME_BYTES, FrameError
+
 # How long a blocking call waits for other threads' calls to join its batch;
 # only when the code runs more than one thread.
 BATCH_WINDOW_SECONDS = 0.002
@@ -199,9 +201,35 @@ class ToolRelay:
             return
         if paused:
             self._on_pause()
-        self._send({"id": call_id, "type": "tool_calls",
-                    "calls": [{"ref": p.ref, "name": p.name, "arguments": p.arguments}
-                              for p in batch]})
+        try:
+            self._send({"id": call_id, "type": "tool_calls",
+                        "calls": [{"ref": p.ref, "name": p.name, "arguments": p.arguments}
+                                  for p in batch]})
+        except (TypeError, ValueError, FrameError) as exc:
+            # The calls never left: they fail here, as ToolErrors, and the clock
+            # they stopped runs again. Left waiting, they kept it stopped for the
+            # rest of the call, so its timeout went unenforced until the host's
+            # backstop destroyed the interpreter and everything the code had.
+            self._unsend(batch, _unsendable(exc))
+
+    def _unsend(self, batch: list[_Pending], reason: str) -> None:
+        with self._lock:
+            for pending in batch:
+                self._waiting.pop(pending.ref, None)
+            self.calls_made -= len(batch)
+            idle = not self._waiting
+        for pending in batch:
+            pending.complete({"error": reason})
+        if idle:
+            self._on_resume()
+
+
+def _unsendable(exc: Exception) -> str:
+    if isinstance(exc, FrameError):
+        return (f"the tool call is too large to send: its arguments may be at most "
+                f"{MAX_FRAME_BYTES // (1024 * 1024)} MiB as JSON (pass large data through "
+                "files instead)")
+    return f"the tool call's arguments must be JSON: {exc}"
 
 
 def _outcome(name: str, result: dict) -> object:

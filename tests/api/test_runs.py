@@ -1030,3 +1030,34 @@ def test_cancelling_a_run_queued_on_a_container_stops_it_and_not_the_run_ahead(h
     first = final(ahead)
     assert first["event"] == "run.completed" and first["exit_code"] == 0, first
     assert first["stdout"] == "ahead started\nahead done\n"
+
+
+@pytest.mark.parametrize("arguments, why", [
+    ("v=object()", "must be JSON"),
+    ("v='y' * 5_000_000", "too large to send"),
+], ids=["not-json", "too-large"])
+def test_a_call_that_cannot_be_sent_raises_tool_error_and_the_timeout_still_holds(
+        http, arguments, why):
+    """Arguments json cannot write, or past a frame, raised TypeError or
+    FrameError from the stub (no ``except ToolError`` caught it), an awaitable
+    stub waited 305 s, and the call's clock stayed stopped as if the call were
+    waiting: the code after it ran past its timeout until the host's backstop
+    destroyed the interpreter, and the container's variables with it."""
+    cid = http.post("/v1/containers", json={"name": "unsent"}).json()["id"]
+    assert final(collect(http, container=cid, code="kept = 41"))["event"] == "run.completed"
+    started = time.monotonic()
+    end = final(collect(http, container=cid, tools=[ECHO_TOOL], allowed_tools=["echo"],
+                        timeout_ms=1500, code=(
+                            "import asyncio, time\n"
+                            "for call in (lambda: echo(%s),\n"
+                            "             lambda: asyncio.run(echo_async(%s))):\n"
+                            "    try:\n        call()\n"
+                            "    except ToolError as e:\n        print('ToolError', e)\n"
+                            "time.sleep(20)\n" % (arguments, arguments))))
+    assert time.monotonic() - started < 10
+    assert end["event"] == "run.failed" and "timed out after 1.5s" in end["error"], end
+    lines = end["stdout"].splitlines()
+    assert len(lines) == 2 and all(line.startswith("ToolError") and why in line
+                                   for line in lines), lines
+    after = final(collect(http, container=cid, code="print(kept + 1)"))
+    assert after["stdout"] == "42\n", after
