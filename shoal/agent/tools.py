@@ -39,6 +39,10 @@ BATCH_WINDOW_SECONDS = 0.002
 # Past the host's own ceiling: the host's error answer normally comes first.
 _WAIT_GRACE_SECONDS = 5.0
 _MAX_LINE_BYTES = 4 * 1024 * 1024
+# What a JavaScript stub puts in one line: a batch that fits goes on in one
+# frame to the host (the frame's envelope beside it), and within the line the
+# bridge reads.
+_MAX_SENT_LINE = min(_MAX_LINE_BYTES, MAX_FRAME_BYTES) - 64 * 1024
 
 
 class ToolError(Exception):
@@ -397,6 +401,7 @@ JAVASCRIPT_PRELUDE = r"""
 const __shoalTools = (() => {
   const net = require("node:net");
   let socket = null, buffer = "", nextId = 1, queue = [];
+  const MAX_LINE = __MAX_LINE__, MAX_LINE_MIB = __MAX_LINE_MIB__;
   const waiting = new Map();
   class ToolError extends Error { constructor(message) { super(message); this.name = "ToolError"; } }
   function connect() {
@@ -427,17 +432,47 @@ const __shoalTools = (() => {
     });
     return socket;
   }
+  // Arguments are written when the call is made, so that what cannot travel
+  // (a BigInt, a cycle, more than a line holds) rejects that call's promise;
+  // thrown later, in the microtask that sends the batch, it was uncaught, and
+  // the script hung until its timeout. A batch is sent in lines the bridge
+  // takes (a longer one was cut off, failing every call on the socket).
+  function line(calls) {
+    return '{"calls":[' + calls.map(({ id, name, encoded }) =>
+      `{"id":${id},"name":${JSON.stringify(name)},"arguments":${encoded}}`).join(",") + "]}\n";
+  }
   function flush() {
     const calls = queue; queue = [];
-    const line = JSON.stringify({ calls: calls.map(({ id, name, args }) => ({ id, name, arguments: args })) });
-    const s = connect(); s.ref(); s.write(line + "\n");
+    const s = connect(); s.ref();
+    let start = 0, size = 0;
+    calls.forEach((entry, index) => {
+      if (index > start && size + entry.size > MAX_LINE) {
+        s.write(line(calls.slice(start, index)));
+        start = index; size = 0;
+      }
+      size += entry.size;
+    });
+    s.write(line(calls.slice(start)));
   }
   function call(name, args) {
     return new Promise((resolve, reject) => {
+      let encoded;
+      try { encoded = JSON.stringify(args === undefined ? {} : args); }
+      catch (error) { encoded = error; }
+      if (typeof encoded !== "string") {
+        const why = encoded instanceof Error ? `: ${encoded.message}` : "";
+        reject(new ToolError(`the tool call's arguments must be JSON${why}`));
+        return;
+      }
+      const size = Buffer.byteLength(encoded) + name.length + 32;
+      if (size > MAX_LINE) {
+        reject(new ToolError(`the tool call is too large to send: its arguments may be at most ${MAX_LINE_MIB} MiB as JSON (pass large data through files instead)`));
+        return;
+      }
       const id = nextId++;
       waiting.set(id, { name, resolve, reject });
       if (queue.length === 0) queueMicrotask(flush);
-      queue.push({ id, name, args: args === undefined ? {} : args });
+      queue.push({ id, name, encoded, size });
     });
   }
   globalThis.ToolError = ToolError;
@@ -448,7 +483,8 @@ const __shoalTools = (() => {
 
 def javascript_stubs(specs: list[dict]) -> str:
     """A prelude defining one async function per tool (``await name({...})``)."""
-    lines = [JAVASCRIPT_PRELUDE]
+    lines = [JAVASCRIPT_PRELUDE.replace("__MAX_LINE__", str(_MAX_SENT_LINE)).replace(
+        "__MAX_LINE_MIB__", str(MAX_FRAME_BYTES // (1024 * 1024)))]
     for spec in specs:
         name = spec.get("name")
         if not isinstance(name, str) or python_name(name) is None:

@@ -1061,3 +1061,29 @@ def test_a_call_that_cannot_be_sent_raises_tool_error_and_the_timeout_still_hold
                                    for line in lines), lines
     after = final(collect(http, container=cid, code="print(kept + 1)"))
     assert after["stdout"] == "42\n", after
+
+
+def test_javascript_arguments_that_cannot_be_sent_reject_with_tool_error(http):
+    """A BigInt or a cycle threw in the microtask that sent the batch, uncaught:
+    the script hung until its timeout. Arguments past what one line to the
+    bridge holds cut the connection (``read ECONNRESET``), and with it every
+    call made beside them, even calls that fit when sent apart."""
+    started = time.monotonic()
+    end = final(collect(http, language="javascript", answer=lambda call: "ok",
+                        tools=[ECHO_TOOL], allowed_tools=["echo"], timeout_ms=20_000, code=(
+        "const cycle = {}; cycle.self = cycle;\n"
+        "for (const args of [{n: 1n}, cycle, {blob: 'y'.repeat(5_000_000)}]) {\n"
+        "  try { await echo(args); console.log('sent'); }\n"
+        "  catch (e) { console.log(e.name, e.message.split(':')[0]); }\n"
+        "}\n"
+        "const blob = 'z'.repeat(1_500_000);\n"
+        "const all = await Promise.all([1, 2, 3].map((i) => echo({i, blob})));\n"
+        "console.log(all.join(','));\n")))
+    assert time.monotonic() - started < 15
+    assert end["event"] == "run.completed", end
+    assert end["stdout"].splitlines() == [
+        "ToolError the tool call's arguments must be JSON",
+        "ToolError the tool call's arguments must be JSON",
+        "ToolError the tool call is too large to send",
+        "ok,ok,ok"], end
+    assert end["inner_tool_calls"] == 3
