@@ -436,9 +436,18 @@ class RunManager:
         run.container = await sessions.containers.create(run.tenant, implicit=True)
         run.implicit_container = True
         kept = []
+        targets: set[tuple[str, ...]] = set()
         files = sandbox.files
         for item in produced[:GENERATED_FILES_PER_RUN]:
             path = parse_path(item.path)
+            # Where a container run keeps it (keep_produced): outputs/a/r.txt
+            # stays there. Named by its last part alone, outputs/a/r.txt,
+            # outputs/b/r.txt and ./r.txt were one file, written over twice and
+            # reported three times under one id.
+            if path.parts in targets:
+                log.warning("run %s: produced file %s dropped: a newer file of the run has "
+                            "its place in outputs", run.id, item.path)
+                continue
             try:
                 handle, _ = await asyncio.to_thread(files.open_for_reading, path)
             except FileAccessError as exc:
@@ -446,8 +455,9 @@ class RunManager:
                 continue
             with handle:
                 kept.append(await sessions.container_files.put(
-                    run.container, SandboxPath(OUTPUTS, path.parts[-1:]), handle,
+                    run.container, SandboxPath(OUTPUTS, path.parts), handle,
                     source_kind="assistant", checkpoint=False))
+            targets.add(path.parts)
         for item in produced[GENERATED_FILES_PER_RUN:]:
             log.warning("run %s: produced file %s dropped (at most %d per run)", run.id,
                         item.path, GENERATED_FILES_PER_RUN)

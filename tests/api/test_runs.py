@@ -1087,3 +1087,30 @@ def test_javascript_arguments_that_cannot_be_sent_reject_with_tool_error(http):
         "ToolError the tool call is too large to send",
         "ok,ok,ok"], end
     assert end["inner_tool_calls"] == 3
+
+
+def test_files_a_run_without_a_container_produces_in_subdirectories_stay_apart(http):
+    """Copied into the implicit container by their last name alone, outputs/a/r.txt,
+    outputs/b/r.txt and ./r.txt became one outputs/r.txt: two of the three
+    were lost, and the run listed the survivor three times under one id, each
+    time with another size. They are kept where a container's run keeps them."""
+    end = final(collect(http, code=(
+        "import os\n"
+        "for d in 'ab':\n"
+        "    os.makedirs(f'/mnt/user-data/outputs/{d}', exist_ok=True)\n"
+        "    open(f'/mnt/user-data/outputs/{d}/r.txt', 'w').write(d * 2)\n"
+        "open('r.txt', 'w').write('top')\n"
+        "open('/mnt/user-data/outputs/x.txt', 'w').write('old')\n"
+        "import time; time.sleep(0.01)\n"
+        "open('x.txt', 'w').write('new')\n")))
+    cid = end["container_id"]
+    files = {f["path"]: f for f in end["files"]}
+    assert len(files) == len(end["files"]) == 4, end["files"]  # x.txt once: the newer
+    assert set(files) == {"/mnt/user-data/outputs/a/r.txt", "/mnt/user-data/outputs/b/r.txt",
+                          "/mnt/user-data/outputs/r.txt", "/mnt/user-data/outputs/x.txt"}
+    assert len({f["file_id"] for f in files.values()}) == 4
+    for path, body in (("a/r.txt", b"aa"), ("b/r.txt", b"bb"), ("r.txt", b"top"),
+                       ("x.txt", b"new")):
+        item = files[f"/mnt/user-data/outputs/{path}"]
+        content = http.get(f"/v1/containers/{cid}/files/{item['file_id']}/content")
+        assert content.content == body and item["size_bytes"] == len(body), path
