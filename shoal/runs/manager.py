@@ -296,9 +296,20 @@ class RunManager:
             return _replayed(stored.body)
 
     # -- the client's answers --------------------------------------------------------------------
+    async def _live_or_conflict(self, tenant: str, run_id: str) -> Run:
+        """The run in memory; RunConflict for one that is only stored (finished,
+        its log no longer kept): it exists, as GET says, and is over."""
+        try:
+            return self.live(tenant, run_id)
+        except UnknownRun:
+            stored = await self.sessions.metadata.get_run(tenant, run_id)
+            if stored is None:
+                raise
+            raise RunConflict(f"run {run_id} has already {stored.status}") from None
+
     async def submit(self, tenant: str, run_id: str, results: list[dict]) -> int:
         """Resume waiting calls with the client's results; how many were new."""
-        run = self.live(tenant, run_id)
+        run = await self._live_or_conflict(tenant, run_id)
         tools = run.tools
         assert tools is not None
         unknown = [r["call_id"] for r in results if not tools.knows(r["call_id"])]
@@ -310,7 +321,7 @@ class RunManager:
         return sum(tools.resolve(r["call_id"], r.get("output"), r.get("error")) for r in results)
 
     async def cancel(self, tenant: str, run_id: str) -> dict:
-        run = self.live(tenant, run_id)
+        run = await self._live_or_conflict(tenant, run_id)
         if run.status != "running":
             raise RunConflict(f"run {run_id} has already {run.status}")
         await self._request_cancel(run, "cancelled by the client")

@@ -1114,3 +1114,26 @@ def test_files_a_run_without_a_container_produces_in_subdirectories_stay_apart(h
         item = files[f"/mnt/user-data/outputs/{path}"]
         content = http.get(f"/v1/containers/{cid}/files/{item['file_id']}/content")
         assert content.content == body and item["size_bytes"] == len(body), path
+
+
+def test_a_finished_run_no_longer_in_memory_answers_409_not_404(server_factory):
+    """Once a finished run's log was pushed out of memory (run_logs_kept, its
+    bytes, a restart), GET still showed it, but DELETE and tool-results said
+    there was no such run (404), where a run kept in memory answers 409."""
+    server = server_factory(run_logs_kept=1, pool_size=1)
+    with server.client() as http:
+        events = collect(http, answer=lambda call: "rows", tools=[QUERY_TOOL],
+                         allowed_tools=["advanced_query"], code="print(advanced_query(sql='x'))")
+        run_id = final(events)["runId"]
+        call_id = next(e for e in events if e.event == "tool_call.required").json()["calls"][0]
+        collect(http, code="print('another run')")  # the first one's log goes
+        url = f"/v1/code-execution/runs/{run_id}"
+        assert http.get(url).json()["status"] == "completed"
+        cancelled = http.delete(url)
+        assert cancelled.status_code == 409, cancelled.text
+        assert "completed" in cancelled.json()["error"]["message"]
+        for call in (call_id["call_id"], "call_nope"):
+            late = http.post(f"{url}/tool-results", json={"results": [{"call_id": call,
+                                                                       "output": "1"}]})
+            assert late.status_code == 409, late.text
+        assert http.delete("/v1/code-execution/runs/cexrun_nope").status_code == 404
