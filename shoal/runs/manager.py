@@ -222,6 +222,8 @@ class RunManager:
             await asyncio.sleep(max(60.0, self.settings.reaper_interval_seconds))
             try:
                 cutoff = time.time() - self.settings.run_retention_seconds
+                for run in [r for r in self._finished_logs.values() if r.created_at < cutoff]:
+                    self._forget_log(run)
                 removed = await self.sessions.metadata.delete_runs_before(cutoff)
                 if removed:
                     log.info("forgot %d runs older than the retention period", removed)
@@ -270,16 +272,38 @@ class RunManager:
 
     # -- reading ----------------------------------------------------------------------------------
     def live(self, tenant: str, run_id: str) -> Run:
-        run = self._live.get(run_id) or self._finished_logs.get(run_id)
+        run = self._live.get(run_id)
+        if run is None:
+            run = self._finished_logs.get(run_id)
+            if run is not None and self._expired(run.created_at):
+                self._forget_log(run)
+                run = None
         if run is None or run.tenant != tenant:
             raise UnknownRun(f"no run {run_id!r}")
         return run
+
+    def _expired(self, created_at: float) -> bool:
+        """Past the retention period, as the reaper judges it (by its start). The
+        reaper passes once a minute or more, and finished logs in memory went
+        only as newer runs pushed them out: a run's output was read back for
+        as long as the server was quiet, after its retention had ended."""
+        return created_at < time.time() - self.settings.run_retention_seconds
+
+    def _forget_log(self, run: Run) -> None:
+        if self._finished_logs.pop(run.id, None) is not None:
+            self._finished_bytes -= run.kept_bytes
+
+    async def _stored(self, tenant: str, run_id: str) -> RunRecord | None:
+        stored = await self.sessions.metadata.get_run(tenant, run_id)
+        if stored is None or self._expired(stored.created_at):
+            return None
+        return stored
 
     async def record(self, tenant: str, run_id: str) -> dict:
         try:
             return self.live(tenant, run_id).record()
         except UnknownRun:
-            stored = await self.sessions.metadata.get_run(tenant, run_id)
+            stored = await self._stored(tenant, run_id)
             if stored is None:
                 raise
             return {key: value for key, value in stored.body.items() if key != _LAST_EVENT_ID}
@@ -290,7 +314,7 @@ class RunManager:
         try:
             return self.live(tenant, run_id).log
         except UnknownRun:
-            stored = await self.sessions.metadata.get_run(tenant, run_id)
+            stored = await self._stored(tenant, run_id)
             if stored is None:
                 raise
             return _replayed(stored.body)
@@ -302,7 +326,7 @@ class RunManager:
         try:
             return self.live(tenant, run_id)
         except UnknownRun:
-            stored = await self.sessions.metadata.get_run(tenant, run_id)
+            stored = await self._stored(tenant, run_id)
             if stored is None:
                 raise
             raise RunConflict(f"run {run_id} has already {stored.status}") from None

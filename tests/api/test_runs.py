@@ -1137,3 +1137,24 @@ def test_a_finished_run_no_longer_in_memory_answers_409_not_404(server_factory):
                                                                        "output": "1"}]})
             assert late.status_code == 409, late.text
         assert http.delete("/v1/code-execution/runs/cexrun_nope").status_code == 404
+
+
+def test_a_run_past_its_retention_is_gone_from_memory_and_store_alike(server_factory):
+    """Finished logs in memory went only as newer runs pushed them out, and the
+    stored record at the reaper's next pass (a minute or more apart): on a
+    quiet server a run's output and events were read back long after its
+    retention had ended. Past it a run is unknown, wherever it is kept."""
+    server = server_factory(run_retention_seconds=60, run_logs_kept=1, pool_size=1)
+    with server.client() as http:
+        started = time.time()
+        in_memory = final(collect(http, code="print('in memory')"))["runId"]
+        stored = final(collect(http, code="print('stored')"))["runId"]
+        in_memory, stored = stored, in_memory  # the later one is the one still in memory
+        for run_id in (in_memory, stored):
+            assert http.get(f"/v1/code-execution/runs/{run_id}").status_code == 200
+        time.sleep(max(0.0, started + 62 - time.time()))
+        for run_id in (in_memory, stored):
+            url = f"/v1/code-execution/runs/{run_id}"
+            assert http.get(url).status_code == 404, run_id
+            assert http.get(f"{url}/events").status_code == 404, run_id
+            assert http.delete(url).status_code == 404, run_id
