@@ -143,7 +143,7 @@ class Settings(BaseSettings):
                                           "(a run's events, a model's turn, a file) is let go.")
 
     # -- runs and inner tool calls -------------------------------------------------
-    run_retention_seconds: int = Field(86400, ge=60, description="How long a finished run's "
+    run_retention_seconds: int = Field(86400, ge=1, description="How long a finished run's "
                                        "record stays readable (GET /v1/code-execution/runs/ID).")
     tool_wait_seconds: float = Field(300.0, gt=0, description="How long code waits for the "
                                      "result of one inner tool call before the call fails; "
