@@ -4,7 +4,10 @@ Runs each call's source in one long-lived namespace, so variables, imports and
 functions survive between calls, and behaves like a REPL cell: the value of a
 final expression is printed, an exception prints its traceback (without the
 agent's own frames) and gives return code 1, and ``sys.exit(n)`` gives ``n``
-while the interpreter and its state live on.
+while the interpreter and its state live on. As in a notebook, a cell may
+``await`` at its top level (``rows = await query_async(...)``,
+``await asyncio.gather(...)``): such a cell runs as a task on the interpreter's
+own event loop, which persists from cell to cell.
 
 Timeouts arrive as SIGALRM and are raised as ``KeyboardInterrupt`` inside user
 code only, so an expiry never lands in the agent's own bookkeeping and the
@@ -16,8 +19,10 @@ later re-armed with what was left, so waiting for the client costs no budget.
 from __future__ import annotations
 
 import ast
+import asyncio
 import builtins
 import importlib.util
+import inspect
 import linecache
 import os
 import signal
@@ -37,6 +42,15 @@ class CallCancelled(CallTimedOut):
 
 
 CANCELLED_RETURN_CODE = 130
+# A cell may await at its top level, as in a notebook: models write it so (a
+# Jupyter-backed interpreter accepts it), and it is how awaitable tool stubs
+# are meant to be gathered. Code that never awaits compiles exactly as before.
+_TOP_LEVEL_AWAIT = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+# Where an awaiting cell leaves its final expression's value, for a moment.
+_CELL_VALUE = "__shoal_cell_value__"
+_VALUE_KEPT = object()
+# How long the tasks of an interrupted cell get to run their cleanup.
+_CLEANUP_SECONDS = 1.0
 
 
 class PythonInterpreter:
@@ -47,6 +61,7 @@ class PythonInterpreter:
         self._timed_out = False
         self._cancelled = False
         self._paused_remaining: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         signal.signal(signal.SIGALRM, self._on_alarm)
         signal.signal(signal.SIGINT, self._on_interrupt)
         # Figures are collected after every call; Agg's show() has nothing to show.
@@ -116,15 +131,19 @@ class PythonInterpreter:
         try:
             self._in_user_code = True
             try:
-                exec(body, self.namespace)
-                if last is not None:
+                self._evaluate(body)
+                if last is _VALUE_KEPT:
+                    value = self.namespace.pop(_CELL_VALUE, None)
+                elif last is not None:
                     value = eval(last, self.namespace)
+                if last is not None:
                     if value is not None:
                         self.namespace["_"] = value
                         print(repr(value))
             finally:
                 self._in_user_code = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
+                self.namespace.pop(_CELL_VALUE, None)
         except CallCancelled:
             return CANCELLED_RETURN_CODE, False
         except CallTimedOut:
@@ -134,7 +153,7 @@ class PythonInterpreter:
         except SystemExit as exc:
             return_code = _exit_code(exc)
         except BaseException:
-            self._print_exception(skip_frames=1)
+            self._print_exception()
             return_code = 1
         finally:
             _flush_std_streams()
@@ -166,22 +185,86 @@ class PythonInterpreter:
             pyplot.close("all")
         _flush_std_streams()
 
-    @staticmethod
-    def _compile(source: str, filename: str):
-        tree = ast.parse(source, filename, "exec")
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            expression = ast.Expression(tree.body.pop().value)
-            last = compile(expression, filename, "eval")
-        return compile(tree, filename, "exec"), last
+    def _evaluate(self, code) -> None:
+        """Run the cell's statements; a cell that awaits runs on the loop."""
+        running = eval(code, self.namespace)
+        if code.co_flags & inspect.CO_COROUTINE:
+            self._run_coroutine(running)
+
+    def _run_coroutine(self, coroutine):
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.new_event_loop()
+        task = loop.create_task(coroutine)
+        try:
+            return loop.run_until_complete(task)
+        except BaseException:
+            if task.done() and not task.cancelled() and not isinstance(
+                    task.exception(), KeyboardInterrupt):
+                raise  # the cell's own error (or exit); the loop is as it was
+            # A timeout or a cancellation lands wherever the loop was (often in
+            # its selector, the cell's task still pending): every task of the
+            # loop is cancelled and given a moment for its cleanup, and the loop,
+            # perhaps interrupted inside its own bookkeeping, is replaced. The
+            # alarm, re-armed, ends a cleanup that does not finish.
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for waiting in pending:
+                waiting.cancel()
+            try:
+                if pending:
+                    loop.run_until_complete(asyncio.wait(pending, timeout=_CLEANUP_SECONDS))
+                loop.close()
+            except BaseException:
+                pass
+            self._loop = None
+            raise
 
     @staticmethod
-    def _print_exception(skip_frames: int) -> None:
+    def _compile(source: str, filename: str):
+        """The cell's statements and its final expression, compiled apart (the
+        expression's value is printed)."""
+        tree = ast.parse(source, filename, "exec")
+        try:
+            last = None
+            if tree.body and isinstance(tree.body[-1], ast.Expr):
+                expression = ast.Expression(tree.body.pop().value)
+                last = compile(expression, filename, "eval")
+            return compile(tree, filename, "exec"), last
+        except SyntaxError as error:
+            awaiting = _compile_awaiting(source, filename)
+            if awaiting is None:
+                raise error from None
+            return awaiting, _VALUE_KEPT
+
+    @staticmethod
+    def _print_exception() -> None:
+        """The traceback from the cell's own first frame: the agent's and asyncio's
+        frames above it say nothing useful to the user."""
         kind, value, tb = sys.exc_info()
-        for _ in range(skip_frames):
-            if tb is not None:
-                tb = tb.tb_next
-        traceback.print_exception(kind, value, tb, file=sys.stderr)
+        first = tb
+        while first is not None and not first.tb_frame.f_code.co_filename.startswith("<cell-"):
+            first = first.tb_next
+        if first is None and tb is not None:
+            first = tb.tb_next
+        traceback.print_exception(kind, value, first, file=sys.stderr)
+
+
+def _compile_awaiting(source: str, filename: str):
+    """A cell that awaits at its top level, compiled whole as one coroutine, as
+    in a notebook: a task it creates runs while a later line awaits. Its final
+    expression's value is kept in a name of the agent's. None when the cell does
+    not await (its SyntaxError is another)."""
+    tree = ast.parse(source, filename, "exec")
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = tree.body[-1]
+        tree.body[-1] = ast.copy_location(ast.Assign(
+            targets=[ast.Name(_CELL_VALUE, ast.Store())], value=last.value), last)
+        ast.fix_missing_locations(tree)
+    try:
+        code = compile(tree, filename, "exec", flags=_TOP_LEVEL_AWAIT)
+    except SyntaxError:
+        return None
+    return code if code.co_flags & inspect.CO_COROUTINE else None
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -214,6 +214,24 @@ def test_concurrent_python_calls_arrive_in_one_event(http):
     pytest.fail(f"in 10 attempts the threads' calls started within 0.5 ms only {conclusive} times")
 
 
+def test_awaitable_stubs_gathered_at_a_cells_top_level_travel_together(http):
+    # As a model writes them in a notebook: no asyncio.run around the gather.
+    # A top-level await was a SyntaxError, the run failing before any call.
+    events = collect(http, answer=lambda call: call["arguments"]["sql"].upper(),
+                     tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
+                     code="import asyncio\n"
+                          "rows = await asyncio.gather(advanced_query_async(sql='a'), "
+                          "advanced_query_async(sql='b'))\n"
+                          "print(rows)\n"
+                          "await advanced_query_async(sql='c')")
+    batches = [sorted(c["arguments"]["sql"] for c in e.json()["calls"])
+               for e in events if e.event == "tool_call.required"]
+    assert batches == [["a", "b"], ["c"]]
+    end = final(events)
+    assert end["stdout"] == "['A', 'B']\n'C'\n" and end["exit_code"] == 0
+    assert end["inner_tool_calls"] == 3
+
+
 def test_a_tool_not_allowed_has_no_stub_and_a_forged_call_is_refused(http):
     # Declared, not allowed: no stub exists, and asking the host directly over
     # the channel (as code posing as the agent can) is refused by the host.

@@ -138,6 +138,57 @@ async def test_exception_in_final_expression(sandbox):
     assert (await ok(sandbox, "print(x)")).stdout == "1\n"
 
 
+# -- top-level await, as in a notebook ------------------------------------------------------
+async def test_a_cell_may_await_at_its_top_level(sandbox):
+    # A Jupyter-backed interpreter accepts it, so models write it; it was a
+    # SyntaxError ('await' outside function).
+    result = await ok(sandbox, "import asyncio\n"
+                               "async def double(x):\n    await asyncio.sleep(0.01)\n    return 2 * x\n"
+                               "pair = await asyncio.gather(double(1), double(20))\n"
+                               "async def count():\n    for i in range(3):\n        yield i\n"
+                               "seen = [i async for i in count()]\n"
+                               "print(pair, seen)\n"
+                               "await double(21)")
+    assert result.stdout == "[2, 40] [0, 1, 2]\n42\n"
+    # Its names live on in the namespace, as any cell's.
+    assert (await ok(sandbox, "print(pair[1] + seen[2])")).stdout == "42\n"
+
+
+async def test_an_error_in_awaited_code_shows_the_cells_frames_only(sandbox):
+    result = await sandbox.run_python("import asyncio\n"
+                                      "async def fail():\n    raise ValueError('awaited')\n"
+                                      "await fail()")
+    assert result.return_code == 1
+    assert "ValueError: awaited" in result.stderr
+    assert '"<cell-1>", line 4' in result.stderr and '"<cell-1>", line 3' in result.stderr
+    assert "asyncio" not in result.stderr.replace("import asyncio", ""), result.stderr
+    assert "python_repl" not in result.stderr
+
+
+async def test_an_awaiting_cell_times_out_and_the_next_one_awaits_again(sandbox):
+    await ok(sandbox, "kept = 'still here'")
+    result = await sandbox.run_python(
+        "import asyncio\n"
+        "async def background():\n"
+        "    try:\n        await asyncio.sleep(60)\n"
+        "    finally:\n        print('background cleaned up')\n"
+        "task = asyncio.create_task(background())\n"
+        "await asyncio.sleep(60)", timeout=1)
+    assert result.timed_out and result.return_code == 124
+    # The cell's other tasks were cancelled, and ran their cleanup.
+    assert result.stdout == "background cleaned up\n"
+    again = await ok(sandbox, "await asyncio.sleep(0)\nprint(kept, task.cancelled())")
+    assert again.stdout == "still here True\n"
+
+
+async def test_a_cell_without_await_runs_on_no_event_loop(sandbox):
+    # asyncio.run in a plain cell, as before: no loop is running around it.
+    result = await ok(sandbox, "import asyncio\n"
+                               "async def seven():\n    return 7\n"
+                               "print(asyncio.run(seven()))")
+    assert result.stdout == "7\n"
+
+
 async def test_syntax_error(sandbox):
     result = await sandbox.run_python("x = (")
     assert result.return_code == 1
