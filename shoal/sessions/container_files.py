@@ -368,10 +368,19 @@ class ContainerFiles:
         ``limit``, each within the file cap. What is dropped is logged."""
         kept: list[ContainerFile] = []
         copied = False
+        # Where each file lands in outputs. The run's newest file for a place
+        # wins (``produced`` is newest first): ./x.txt copied over the
+        # outputs/x.txt the same run wrote after it lost that file, and the run
+        # listed one file twice.
+        taken: set[tuple[str, ...]] = set()
         async with self._containers.using(record):
             files = await self._containers.files_of(record)
             for item in produced:
                 path = parse_path(item.path)
+                if path.mount in (WORKSPACE, OUTPUTS) and path.parts in taken:
+                    log.warning("container %s: produced file %s dropped: a newer file of the "
+                                "run has its place in outputs", record.id, item.path)
+                    continue
                 if len(kept) >= limit:
                     log.warning("container %s: produced file %s dropped (at most %d per run)",
                                 record.id, item.path, limit)
@@ -386,6 +395,9 @@ class ContainerFiles:
                         copied = True
                     elif path.mount == OUTPUTS:
                         kept.append(await self.get(record, encode_file_id(path.sandbox_path)))
+                    else:
+                        continue
+                    taken.add(path.parts)
                 except FileAccessError as exc:
                     log.warning("container %s: produced file %s dropped: %s", record.id,
                                 item.path, exc)

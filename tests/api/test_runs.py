@@ -849,6 +849,26 @@ def test_a_run_on_a_container_reads_its_files_and_adds_what_it_produces(http):
     assert final(events)["stdout"] == "42\n"
 
 
+def test_a_container_run_keeps_its_newest_file_for_each_place_in_outputs(http):
+    """./y.txt is copied into outputs/y.txt: it overwrote the outputs/y.txt the
+    same run wrote after it, and the run listed the one file twice."""
+    cid = http.post("/v1/containers", json={"name": "places"}).json()["id"]
+    end = final(collect(http, container=cid, code=(
+        "import time\n"
+        "open('/mnt/user-data/outputs/x.txt', 'w').write('x old')\n"
+        "open('y.txt', 'w').write('y old')\n"
+        "time.sleep(0.01)\n"
+        "open('x.txt', 'w').write('x new')\n"
+        "open('/mnt/user-data/outputs/y.txt', 'w').write('y new')\n")))
+    files = {f["path"]: f for f in end["files"]}
+    assert len(end["files"]) == 2, end["files"]
+    for name in ("x.txt", "y.txt"):
+        item = files[f"/mnt/user-data/outputs/{name}"]
+        content = http.get(f"/v1/containers/{cid}/files/{item['file_id']}/content")
+        assert content.content == f"{name[0]} new".encode(), name
+        assert item["size_bytes"] == 5
+
+
 def test_at_most_fifty_generated_files_per_run(http):
     container = http.post("/v1/containers", json={"name": "many"}).json()
     events = collect(http, container=container["id"],
