@@ -467,7 +467,13 @@ class ContainerManager:
         restarted = (key in self._started_here or record.created_at < self._server_started
                      or elsewhere)
         self._started_here.add(key)
-        await self.touch(record)
+        try:
+            await self.touch(record)
+        except BaseException:
+            # Cancelled (or failed) here, the caller never gets the sandbox to
+            # give back: left in use, the idle reaper would never stop it.
+            self.release(record)
+            raise
         if sandbox.closed:
             # The store refused the touch: deleted or made anew elsewhere while
             # this sandbox started, and touch() stopped it.

@@ -159,3 +159,21 @@ async def test_a_refused_touch_stops_the_stale_sandbox(two_front_ends):
     assert sandbox.closed and ("alpha", "thread-3") not in here._live
     with pytest.raises(UnknownContainer):
         await here.get("alpha", "thread-3")
+
+
+async def test_an_acquire_cancelled_once_its_sandbox_started_leaves_it_unused(two_front_ends):
+    """Cancelled after the sandbox was registered as in use (while the last
+    activity was written), the caller never got it to give back: it stayed in
+    use for good, and the idle reaper never stopped it."""
+    here, _ = two_front_ends
+    record = await here.create("alpha", "thread-3", implicit=True)
+    key = ("alpha", "thread-3")
+    here._touch_written.clear()  # the touch writes through: the task waits on the store
+    acquiring = asyncio.create_task(here.acquire(record))
+    while key not in here._live and not acquiring.done():
+        await asyncio.sleep(0)
+    assert not acquiring.done(), "the acquire finished without waiting on the store"
+    acquiring.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await acquiring
+    assert here._live[key].users == 0
