@@ -156,7 +156,11 @@ class ObjectStoreFiles(FileStore):
         self._attached: set[tuple[str, str]] = set()
         # The manifest each local copy matches, once known here.
         self._known: dict[tuple[str, str], Manifest] = {}
-        self._unsaved: set[tuple[str, str]] = set()
+        # Copies whose last save failed, retried until one succeeds. Their
+        # markers say so too: a server restarted before its retry retries
+        # still (its list was in memory only, and a copy newer than its
+        # snapshot stayed so, on this host only, until its next change).
+        self._unsaved: set[tuple[str, str]] = set(self._flagged_unsaved())
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -176,14 +180,17 @@ class ObjectStoreFiles(FileStore):
         except OSError:
             return None
 
-    def _set_local_version(self, tenant: str, container_id: str, version: str) -> None:
+    def _set_local_version(self, tenant: str, container_id: str, version: str,
+                           unsaved: bool = False) -> None:
         marker = self._marker(tenant, container_id)
         partial = marker.with_suffix(".partial")
-        partial.write_text(json.dumps({"version": str(version), "tenant": tenant,
-                                       "container": container_id}))
+        body = {"version": str(version), "tenant": tenant, "container": container_id}
+        if unsaved:
+            body["unsaved"] = True
+        partial.write_text(json.dumps(body))
         os.replace(partial, marker)
 
-    def local_copies(self) -> list[tuple[str, str]]:
+    def _markers(self) -> list[tuple[tuple[str, str], dict]]:
         found = []
         for marker in self._local.beside_images(_MARKER):
             try:
@@ -191,9 +198,15 @@ class ObjectStoreFiles(FileStore):
             except OSError:
                 continue
             key = (named.get("tenant"), named.get("container"))
-            if all(isinstance(part, str) for part in key) and key not in self._attached:
-                found.append(key)
+            if all(isinstance(part, str) for part in key):
+                found.append((key, named))
         return found
+
+    def _flagged_unsaved(self) -> list[tuple[str, str]]:
+        return [key for key, named in self._markers() if named.get("unsaved") is True]
+
+    def local_copies(self) -> list[tuple[str, str]]:
+        return [key for key, _ in self._markers() if key not in self._attached]
 
     def drop_idle_copy(self, tenant: str, container_id: str) -> bool:
         key = (tenant, container_id)
@@ -290,10 +303,19 @@ class ObjectStoreFiles(FileStore):
                       "%s", container_id, exc)
             return
         except BaseException:
-            self._unsaved.add(key)
+            if key not in self._unsaved:
+                self._unsaved.add(key)
+                try:
+                    self._set_local_version(tenant, container_id,
+                                            self._local_version(tenant, container_id) or "",
+                                            unsaved=True)
+                except OSError as exc:
+                    log.error("container %s: could not note its failed snapshot beside its "
+                              "volume (retried while this server runs): %s", container_id, exc)
             raise
+        was_unsaved = key in self._unsaved
         self._unsaved.discard(key)
-        if manifest is not previous:
+        if manifest is not previous or was_unsaved:
             self._set_local_version(tenant, container_id, manifest.version)
             log.debug("container %s snapshotted: version %s, %d bytes sent", container_id,
                       manifest.version, sent)

@@ -547,3 +547,53 @@ def test_a_snapshot_stands_once_its_manifest_is_in_place_though_cleaning_up_fail
     snapshots.restore("t", "c", restored, snapshots.manifest("t", "c"))
     assert (restored / "workspace" / "a.txt").read_text() == "one"
     assert (restored / "workspace" / "b.txt").read_text() == "two"
+
+
+def test_a_copy_whose_snapshot_failed_is_saved_once_its_server_restarts(seaweedfs, tmp_path):
+    """A failed save was retried from a list kept in memory only: a server that
+    restarted before the retry left the copy, newer than its snapshot, on this
+    host alone until its next change, and a container moved to another host
+    then came back as it was at the older snapshot."""
+    from botocore.exceptions import ConnectionClosedError
+
+    from shoal.config import MiB
+    from shoal.storage import open_files
+
+    bucket = seaweedfs.new_bucket()
+    store = {"url": f"s3://{bucket}/p", "endpoint": seaweedfs.endpoint,
+             "access_key": seaweedfs.ACCESS_KEY, "secret_key": seaweedfs.secret_key}
+
+    def server_files():
+        return open_files(tmp_path / "data", tmp_path / "run", 64 * MiB, MiB, store)
+
+    def refuse(request, **_):
+        raise ConnectionClosedError(endpoint_url=request.url)
+
+    files = server_files()
+    try:
+        home = files.create("alpha", "kept")
+        (home.workspace / "a.txt").write_text("saved")
+        files.checkpoint("alpha", "kept")
+        (home.workspace / "b.txt").write_text("written as the store went away")
+        files._client.meta.events.register("before-send.s3.PutObject", refuse)
+        with pytest.raises(StoreUnavailable):
+            files.checkpoint("alpha", "kept")
+        assert files.unsaved() == [("alpha", "kept")]
+    finally:
+        files.close()  # the server stops (or is killed) before its retry
+
+    files = server_files()
+    try:
+        assert files.unsaved() == [("alpha", "kept")]
+        files.checkpoint("alpha", "kept")  # its retry, the store back
+        assert files.unsaved() == []
+    finally:
+        files.close()
+    manifest = Snapshots(seaweedfs.client(), bucket, "p/").manifest("alpha", "kept")
+    assert {"workspace/a.txt", "workspace/b.txt"} <= set(manifest.entries)
+    files = server_files()  # saved: nothing is retried any more
+    try:
+        assert files.unsaved() == []
+        files.destroy("alpha", "kept")
+    finally:
+        files.close()
