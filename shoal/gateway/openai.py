@@ -369,6 +369,10 @@ class OpenAIAdapter:
             # final event it is a broken answer, never one to store as completed.
             raise UpstreamError(502, "the upstream model's stream ended before its final "
                                      "event: the response is incomplete")
+        if kind == "response.failed" or completed.get("status") == "failed":
+            # The model's own failure: what it said before failing is not an
+            # answer, and must not be kept or shown as a completed response.
+            raise _upstream_failure(completed.get("error"))
         self._add_usage(completed.get("usage") or {})
         final_items = completed.get("output")
         if isinstance(final_items, list) and final_items:
@@ -638,6 +642,21 @@ class OpenAIAdapter:
 @dataclass(frozen=True)
 class _Refusal:
     reason: str
+
+
+def _upstream_failure(error: object) -> UpstreamError:
+    """An upstream ``response.failed`` as the error the client is answered with."""
+    error = error if isinstance(error, dict) else {}
+    code = error.get("code") if isinstance(error.get("code"), str) else None
+    message = error.get("message") if isinstance(error.get("message"), str) else None
+    # OpenAI's other codes (invalid_prompt, the image ones) are the request's fault.
+    status = (429 if code == "rate_limit_exceeded"
+              else 502 if code in (None, "server_error", "vector_store_timeout") else 400)
+    message = message or "the upstream model failed to answer"
+    return UpstreamError(status, {"error": {
+        "message": message, "type": "invalid_request_error" if status == 400 else (
+            "rate_limit_error" if status == 429 else "server_error"),
+        "param": None, "code": code or "server_error"}})
 
 
 def _history_item(item: dict) -> dict:

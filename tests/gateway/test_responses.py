@@ -1046,6 +1046,24 @@ def test_an_upstream_stream_cut_short_is_an_error_not_a_completed_response(upstr
     assert events[-1].response.status == "failed"
 
 
+def test_an_upstream_response_that_failed_is_a_failure_not_a_completed_response(
+        upstream, openai_client):
+    # The upstream's stream ended in response.failed (the model broke off): the
+    # client was answered a "completed" response holding what it said before.
+    upstream.script(openai_turn(message("half an ans"), status="failed"))
+    with pytest.raises(openai.APIStatusError) as failure:
+        openai_client.responses.create(model=MODEL, input="hi", tools=[CI_AUTO])
+    assert failure.value.status_code == 502 and "scripted failure" in str(failure.value)
+
+    upstream.script(openai_turn(function_call("code_interpreter", {"code": "print(1)"})),
+                    openai_turn(message("half an ans"), status="failed"))
+    with openai_client.responses.stream(model=MODEL, input="hi", tools=[CI_AUTO]) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.failed", [e.type for e in events]
+    assert events[-1].response.error.message == "scripted failure"
+    assert "response.completed" not in [e.type for e in events]
+
+
 def test_sdk_retries_use_the_upstreams_retry_after(upstream, gateway):
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=CLIENT_TOKEN, max_retries=2)
     upstream.fail(429, message="busy", headers=FAST_RETRY, times=2)
