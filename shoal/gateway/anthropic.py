@@ -43,6 +43,8 @@ CODE_TOOL_TYPES = {
 BASH, EDITOR, PYTHON = "bash_code_execution", "text_editor_code_execution", "code_execution"
 EDITOR_COMMANDS = ("view", "create", "str_replace", "insert", "undo_edit")
 _MODIFYING = ("create", "str_replace", "insert", "undo_edit")
+# Stop reasons of a model cut off mid-answer: a call it was writing is not whole.
+_CUT_OFF = ("max_tokens", "model_context_window_exceeded")
 RESULT_TYPES = {"bash_code_execution_tool_result", "text_editor_code_execution_tool_result",
                 "code_execution_tool_result"}
 DEFAULT_BASH_TIMEOUT = 60
@@ -409,6 +411,7 @@ class AnthropicAdapter:
                                               entry["upstream"].get("input")))
         if said:
             self.history.append({"role": "assistant", "content": said})
+        turn.truncated = turn.stop_reason in _CUT_OFF
         yield turn
 
     async def run_request(self, use: ToolUse):

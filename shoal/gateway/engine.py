@@ -48,6 +48,9 @@ class Turn:
     tool_uses: list[ToolUse] = field(default_factory=list)
     stop_reason: str | None = None
     usage: dict = field(default_factory=dict)
+    # The model was cut off (its output limit): its calls may be half-written,
+    # and the response ends here, with its stop reason, without running them.
+    truncated: bool = False
 
 
 @dataclass
@@ -122,7 +125,9 @@ class ToolLoop:
                         yield item
                 assert turn is not None, "an upstream turn ends with its Turn"
                 ours = [use for use in turn.tool_uses if adapter.is_code_tool(use.name)]
-                if not ours:
+                if not ours or turn.truncated:
+                    # Asked again, a model cut off at its limit is cut off again:
+                    # each retry was a paid call, up to the round-trip budget.
                     for event in adapter.finish(turn.stop_reason or "end_turn"):
                         yield event
                     return

@@ -397,6 +397,20 @@ class OpenAIAdapter:
         if completed.get("status") == "incomplete":
             self.incomplete = completed.get("incomplete_details")
             turn.stop_reason = "incomplete"
+            turn.truncated = True
+            for use in turn.tool_uses:
+                if use.name not in self.code_names:
+                    continue
+                # Not run; answered, so that a continuation's history is one the
+                # upstream accepts (every call with its output).
+                self._outputs.append({"type": "function_call_output", "call_id": use.id,
+                                      "output": "error: the call was cut off at the output "
+                                                "limit and was not run"})
+                entry = self._ci_items.get(use.id)
+                if entry is not None:
+                    entry["shown"]["status"] = "incomplete"
+                    yield self._event("response.output_item.done", {
+                        "output_index": entry["index"], "item": entry["shown"]})
         yield turn
 
     async def run_request(self, use: ToolUse):

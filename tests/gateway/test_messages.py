@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import CLIENT_TOKEN, OPERATOR_KEY, OTHER_TOKEN
-from tests.gateway.scripted_upstream import anthropic_turn, text, tool_use
+from tests.gateway.scripted_upstream import AnthropicTurn, anthropic_turn, text, tool_use
 
 TOOL = {"type": "code_execution_20250825", "name": "code_execution"}
 ZYLON = {"type": "code_execution_v1", "name": "code_execution"}
@@ -237,6 +237,42 @@ def test_pause_turn_and_its_continuation(gateway_factory, upstream):
     assert history[2]["content"][0]["type"] == "tool_result"
     assert history[2]["content"][0]["tool_use_id"] == history[1]["content"][0]["id"]
     assert json.loads(history[2]["content"][0]["content"])["return_code"] == 0
+
+
+class _CutOff(AnthropicTurn):
+    """A turn whose tool input stops after its first pieces: a model cut off at max_tokens."""
+
+    def events(self, request):
+        pieces = 0
+        for name, data in super().events(request):
+            if name == "content_block_delta" and data["delta"]["type"] == "input_json_delta":
+                pieces += 1
+                if pieces > 2:
+                    continue
+            yield name, data
+
+
+def cut_off(*blocks) -> AnthropicTurn:
+    turn = anthropic_turn(*blocks, stop_reason="max_tokens")
+    return _CutOff(turn.content, turn.stop_reason, turn.usage, turn.model, turn.pacing)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_model_cut_off_at_max_tokens_ends_the_message(anthropic_client, upstream, streamed):
+    # The half-written call was refused and the model asked again, cut off
+    # again: ten paid calls, answered as pause_turn instead of max_tokens.
+    upstream.script(*[cut_off(text("Let me write it."), bash("echo " + "x" * 200))] * 10)
+    arguments = dict(model="claude-test", max_tokens=64, tools=[TOOL],
+                     messages=[{"role": "user", "content": "go"}])
+    if streamed:
+        with anthropic_client.messages.stream(**arguments) as stream:
+            message = stream.get_final_message()
+    else:
+        message = anthropic_client.messages.create(**arguments)
+    assert message.stop_reason == "max_tokens"
+    assert [b.type for b in message.content] == ["text", "server_tool_use"]
+    assert len(upstream.requests) == 1
+    assert message.usage.server_tool_use.model_extra["code_execution_requests"] == 0
 
 
 def test_many_calls_in_one_turn_are_held_to_the_execution_budget(gateway_factory, upstream):

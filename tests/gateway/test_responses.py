@@ -1064,6 +1064,28 @@ def test_an_upstream_response_that_failed_is_a_failure_not_a_completed_response(
     assert "response.completed" not in [e.type for e in events]
 
 
+def test_a_model_cut_off_at_its_output_limit_ends_the_response(upstream, openai_client):
+    # The half-written call was refused and the model asked again, cut off again:
+    # ten paid calls, answered as incomplete for max_tool_calls.
+    cut = openai_turn(function_call("code_interpreter", '{"code": "print(1'), status="incomplete")
+    upstream.script(*[cut] * 10)
+    with openai_client.responses.stream(model=MODEL, input="hi", tools=[CI_AUTO]) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete", [e.type for e in events]
+    response = events[-1].response
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert [(item.type, item.status) for item in response.output] == [
+        ("code_interpreter_call", "incomplete")]
+    assert len(upstream.requests) == 1
+
+    upstream.reset()
+    upstream.script(openai_turn(message("shorter, then")))
+    follow = openai_client.responses.create(model=MODEL, input="again, shorter", tools=[CI_AUTO],
+                                            previous_response_id=response.id)
+    assert follow.output_text == "shorter, then"
+    assert_outputs_answered(upstream.requests[-1].body)
+
+
 def test_sdk_retries_use_the_upstreams_retry_after(upstream, gateway):
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=CLIENT_TOKEN, max_retries=2)
     upstream.fail(429, message="busy", headers=FAST_RETRY, times=2)
