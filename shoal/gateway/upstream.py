@@ -151,7 +151,7 @@ class Upstream:
                     name = sse.event if sse.event and sse.event != "message" else str(
                         data.get("type", ""))
                     if name == "error":
-                        raise UpstreamError(502, data)
+                        raise UpstreamError(_status_of_error_event(data), data)
                     yield name, data
                     waited_since = time.perf_counter()
                 timing.upstream += time.perf_counter() - waited_since
@@ -182,6 +182,21 @@ class Upstream:
         finally:
             await response.aclose()
         return Response(content, status_code=response.status_code, headers=headers)
+
+
+# The status a streamed error event would have had as a response: a client (or
+# the gateway in front of us) that backs off or falls back on a 529 or a 429
+# must see one, not a 502, when the model was overloaded after it began.
+_ERROR_EVENT_STATUS = {"invalid_request_error": 400, "authentication_error": 401,
+                       "permission_error": 403, "not_found_error": 404,
+                       "request_too_large": 413, "rate_limit_error": 429,
+                       "rate_limit_exceeded": 429, "api_error": 500, "overloaded_error": 529}
+
+
+def _status_of_error_event(data: dict) -> int:
+    error = data.get("error")
+    kind = error.get("type") if isinstance(error, dict) else data.get("code")
+    return _ERROR_EVENT_STATUS.get(kind, 502) if isinstance(kind, str) else 502
 
 
 def _body_of(response: httpx.Response) -> object:

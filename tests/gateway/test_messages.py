@@ -257,6 +257,29 @@ def cut_off(*blocks) -> AnthropicTurn:
     return _CutOff(turn.content, turn.stop_reason, turn.usage, turn.model, turn.pacing)
 
 
+class _Overloaded(AnthropicTurn):
+    """A turn whose stream breaks off with the error event of an overloaded model."""
+
+    def events(self, request):
+        for number, event in enumerate(super().events(request)):
+            if number == 3:
+                yield "error", {"type": "error", "error": {"type": "overloaded_error",
+                                                           "message": "Overloaded"}}
+                return
+            yield event
+
+
+def test_an_upstream_overloaded_mid_stream_keeps_its_status(anthropic_client, upstream):
+    # The model overloaded after its stream began: the whole message was a 502,
+    # where the upstream (and Anthropic) says 529, the status clients back off on.
+    turn = anthropic_turn(text("a long answer that never ends"))
+    upstream.script(_Overloaded(turn.content, turn.stop_reason, turn.usage, turn.model, turn.pacing))
+    with pytest.raises(anthropic.APIStatusError) as failure:
+        ask(anthropic_client)
+    assert failure.value.status_code == 529
+    assert failure.value.body["error"] == {"type": "overloaded_error", "message": "Overloaded"}
+
+
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 def test_a_model_cut_off_at_max_tokens_ends_the_message(anthropic_client, upstream, streamed):
     # The half-written call was refused and the model asked again, cut off

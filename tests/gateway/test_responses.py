@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import CLIENT_TOKEN, OPERATOR_KEY, OTHER_TOKEN
-from tests.gateway.scripted_upstream import function_call, message, openai_turn
+from tests.gateway.scripted_upstream import OpenAITurn, function_call, message, openai_turn
 
 MODEL = "gpt-4o-mini"
 CI_AUTO = {"type": "code_interpreter", "container": {"type": "auto"}}
@@ -1084,6 +1084,26 @@ def test_a_model_cut_off_at_its_output_limit_ends_the_response(upstream, openai_
                                             previous_response_id=response.id)
     assert follow.output_text == "shorter, then"
     assert_outputs_answered(upstream.requests[-1].body)
+
+
+class _RateLimited(OpenAITurn):
+    """A turn whose stream breaks off with a rate limit's error event."""
+
+    def events(self, request):
+        for number, event in enumerate(super().events(request)):
+            if number == 3:
+                yield "error", {"type": "error", "code": "rate_limit_exceeded", "param": None,
+                                "message": "Rate limit reached", "sequence_number": number}
+                return
+            yield event
+
+
+def test_an_upstream_rate_limited_mid_stream_keeps_its_status(upstream, openai_client):
+    turn = openai_turn(message("a long answer that never ends"))
+    upstream.script(_RateLimited(turn.output, turn.status, turn.usage, turn.model, turn.pacing))
+    with pytest.raises(openai.RateLimitError) as failure:
+        openai_client.responses.create(model=MODEL, input="hi", tools=[CI_AUTO])
+    assert failure.value.status_code == 429 and "Rate limit reached" in str(failure.value)
 
 
 def test_sdk_retries_use_the_upstreams_retry_after(upstream, gateway):
