@@ -40,6 +40,7 @@ from .upstream import Timing, Upstream, UpstreamError
 CODE_INTERPRETER, CARONTE = "code_interpreter", "caronte:code_execution"
 CI_FUNCTION, CARONTE_FUNCTION = "code_interpreter", "code_execution"
 INCLUDE_OUTPUTS = "code_interpreter_call.outputs"
+SEALED_REASONING = "reasoning.encrypted_content"
 _IMAGE_BYTES = 4 * 1024 * 1024
 # Images inlined in one response's outputs, in all: every one is base64 in the
 # response (held whole, and stored with it). Past these a chart is still cited
@@ -222,7 +223,7 @@ def upstream_items(items: list[dict]) -> list[dict]:
                            and key != "content"} | {"content": [
                                {k: ([] if k == "annotations" else v) for k, v in part.items()
                                 if v is not None} for part in item["content"] if isinstance(part, dict)]})
-        else:
+        elif not _unsendable(item):
             mapped.append({key: value for key, value in item.items()
                            if key not in ("parsed", "parsed_arguments")})
     return mapped
@@ -266,6 +267,15 @@ class OpenAIAdapter:
         choice = body.get("tool_choice")
         if isinstance(choice, dict) and choice.get("type") == CODE_INTERPRETER:
             body["tool_choice"] = {"type": "function", "name": CI_FUNCTION}
+        # The loop's calls are "store": false: a reasoning item goes back to the
+        # model only with its encrypted content, asked for when the client asks
+        # for reasoning (a model that does not reason may refuse the include).
+        include = [name for name in request.body.get("include") or []
+                   if isinstance(name, str) and name != INCLUDE_OUTPUTS]
+        if isinstance(body.get("reasoning"), dict) and SEALED_REASONING not in include:
+            include.append(SEALED_REASONING)
+        if include:
+            body["include"] = include
         self.base_body = body
         names = []
         if request.code_interpreter is not None:
@@ -381,7 +391,9 @@ class OpenAIAdapter:
                 entry["item"] = by_id.get(entry["item"].get("id"), entry["item"])
         for _, entry in sorted(items.items()):
             item = entry["item"]
-            self.conversation.history.append(_history_item(item))
+            kept = _history_item(item)
+            if kept is not None:
+                self.conversation.history.append(kept)
             if item.get("type") == "function_call":
                 arguments = item.get("arguments") or entry.get("arguments") or "{}"
                 try:
@@ -673,8 +685,10 @@ def _upstream_failure(error: object) -> UpstreamError:
         "param": None, "code": code or "server_error"}})
 
 
-def _history_item(item: dict) -> dict:
-    """An upstream output item as the next upstream call's input."""
+def _history_item(item: dict) -> dict | None:
+    """An upstream output item as the next upstream call's input (None: not sent)."""
+    if _unsendable(item):
+        return None
     if item.get("type") == "function_call":
         return {key: item[key] for key in ("type", "id", "call_id", "name", "arguments")
                 if item.get(key) is not None}
@@ -684,6 +698,13 @@ def _history_item(item: dict) -> dict:
                 "content": [{**part, "annotations": []} if part.get("type") == "output_text" else part
                             for part in item.get("content") or [] if isinstance(part, dict)]}
     return {key: value for key, value in item.items() if value is not None}
+
+
+def _unsendable(item: dict) -> bool:
+    """A reasoning item without its encrypted content: with "store": false the
+    upstream has no item of that id, and answers 404 for it (dropped, the model
+    goes on without its earlier reasoning)."""
+    return item.get("type") == "reasoning" and not item.get("encrypted_content")
 
 
 def _mention(text: str, item: ContainerFile) -> tuple[int, int]:

@@ -68,6 +68,7 @@ __all__ = [
     "openai_turn",
     "message",
     "function_call",
+    "reasoning",
 ]
 
 DEFAULT_MODEL = "scripted-model"
@@ -239,6 +240,37 @@ def function_call(name: str, arguments: dict | str, call_id: str | None = None) 
     }
 
 
+def reasoning(summary: str = "") -> dict:
+    """An OpenAI reasoning output item (a reasoning model's). Its ``encrypted_content``
+    is filled in only when the request's ``include`` asks for
+    ``reasoning.encrypted_content``, as the real API does."""
+    return {"id": _new_id("rs_"), "type": "reasoning",
+            "summary": [{"type": "summary_text", "text": summary}] if summary else []}
+
+
+def _rendered_item(item: dict, request: dict) -> dict:
+    if item.get("type") != "reasoning":
+        return dict(item)
+    include = request.get("include") if isinstance(request.get("include"), list) else []
+    sealed = "reasoning.encrypted_content" in include
+    return {**item, "encrypted_content": "gAAAA" + item["id"] if sealed else None}
+
+
+def _unpersisted_item(body: dict) -> str | None:
+    """The id of an input item the real API cannot resolve: with ``"store": false``
+    nothing is kept, so a reasoning item sent back without its encrypted content
+    names an item that does not exist (OpenAI answers 404)."""
+    if body.get("store") is not False or not isinstance(body.get("input"), list):
+        return None
+    for item in body["input"]:
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "item_reference" or (
+                item.get("type") == "reasoning" and item.get("id") and not item.get("encrypted_content")):
+            return str(item.get("id"))
+    return None
+
+
 _TERMINAL_EVENT = {
     "completed": "response.completed",
     "incomplete": "response.incomplete",
@@ -273,7 +305,7 @@ class OpenAITurn:
             "max_output_tokens": request.get("max_output_tokens"),
             "metadata": request.get("metadata") or {},
             "model": self.model,
-            "output": [dict(item) for item in self.output],
+            "output": [_rendered_item(item, request) for item in self.output],
             "parallel_tool_calls": request.get("parallel_tool_calls", True),
             "previous_response_id": request.get("previous_response_id"),
             "reasoning": request.get("reasoning") or {"effort": None, "summary": None},
@@ -606,6 +638,12 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             return self._send_json(400, dialect.error_body(400, "scripted upstream: the body is not a JSON object"),
                                    {dialect.request_id_header: _new_id("req_")})
+        missing = _unpersisted_item(body) if dialect.turn_type is OpenAITurn else None
+        if missing is not None:
+            return self._send_json(404, dialect.error_body(404, (
+                f"Item with id '{missing}' not found. Items are not persisted when `store` is set "
+                "to false. Try again with `store` set to true, or remove this item from your "
+                "input.")), {dialect.request_id_header: _new_id("req_")})
         try:
             turn = self.upstream._next_turn(dialect, body)
         except _ScriptError as exc:

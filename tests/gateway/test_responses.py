@@ -20,7 +20,8 @@ import openai
 import pytest
 
 from tests.gateway.conftest import CLIENT_TOKEN, OPERATOR_KEY, OTHER_TOKEN
-from tests.gateway.scripted_upstream import OpenAITurn, function_call, message, openai_turn
+from tests.gateway.scripted_upstream import (OpenAITurn, function_call, message, openai_turn,
+                                             reasoning)
 
 MODEL = "gpt-4o-mini"
 CI_AUTO = {"type": "code_interpreter", "container": {"type": "auto"}}
@@ -176,6 +177,42 @@ def test_calculation(upstream, openai_client):
     assert_operator_auth(upstream)
     # The response's usage is that of both model calls.
     assert (response.usage.input_tokens, response.usage.output_tokens, response.usage.total_tokens) == (20, 10, 30)
+
+
+def test_a_reasoning_models_turns_continue(upstream, openai_client):
+    # A reasoning model's turn begins with a reasoning item. The loop's own calls
+    # are "store": false, so that item, sent back by id alone, was one the
+    # upstream no longer had: its 404 ended every such request after one call.
+    upstream.script(openai_turn(reasoning("need to compute"),
+                                function_call("code_interpreter", {"code": "print(6 * 7)"})),
+                    openai_turn(reasoning("thinking again"),
+                                function_call("code_interpreter", {"code": "print(6 * 8)"})),
+                    then_say(lambda output: f"The answer is {output.strip()}."))
+    response = openai_client.responses.create(model=MODEL, input="6*7?", tools=[CI_AUTO],
+                                              reasoning={"effort": "low"})
+    assert response.output_text == "The answer is 48."
+    assert kinds(response) == ["reasoning", "code_interpreter_call", "reasoning",
+                               "code_interpreter_call", "message"]
+    assert all(not recorded.error for recorded in upstream.requests)
+    sent_back = [item for item in upstream.requests[2].body["input"] if item["type"] == "reasoning"]
+    assert len(sent_back) == 2 and all(item["encrypted_content"] for item in sent_back)
+    assert_outputs_answered(upstream.requests[2].body)
+
+    # Without asking for reasoning, the model's reasoning is not kept, but the
+    # loop goes on; and a continuation sends nothing the upstream cannot find.
+    upstream.script(openai_turn(reasoning(), function_call("code_interpreter", {"code": "print(1)"})),
+                    openai_turn(message("one")), openai_turn(message("again")))
+    first = openai_client.responses.create(model=MODEL, input="1?", tools=[CI_AUTO])
+    assert first.output_text == "one"
+    follow = openai_client.responses.create(model=MODEL, input="again", tools=[CI_AUTO],
+                                            previous_response_id=first.id)
+    assert follow.output_text == "again"
+    # A client that keeps the history itself sends the reasoning item back as it got it.
+    upstream.script(openai_turn(message("by hand")))
+    history = [item.model_dump(exclude_none=True) for item in first.output]
+    by_hand = openai_client.responses.create(model=MODEL, tools=[CI_AUTO], input=[
+        *history, {"role": "user", "content": "and by hand?"}])
+    assert by_hand.output_text == "by hand"
 
 
 def test_items_keep_their_place(upstream, openai_client):
