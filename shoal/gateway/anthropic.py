@@ -31,7 +31,7 @@ from shoal.sandbox.mounts import OPENAI_DATA, OUTPUTS, SKILLS, UPLOADS, WORKSPAC
 from shoal.sessions import scoped_file_id
 from shoal.storage import ContainerRecord
 
-from .engine import Turn, ToolUse
+from .engine import Turn, ToolUse, for_model
 from .upstream import Timing, Upstream, UpstreamError
 
 STRICT, ZYLON, LEGACY = "strict", "zylon", "legacy"
@@ -296,7 +296,8 @@ def _result_for_upstream(block: dict) -> dict:
         return {"type": "tool_result", "tool_use_id": block.get("tool_use_id"), "content": text,
                 "is_error": True}
     if kind in ("bash_code_execution_result", "code_execution_result"):
-        text = json.dumps({"stdout": content.get("stdout", ""), "stderr": content.get("stderr", ""),
+        text = json.dumps({"stdout": for_model(str(content.get("stdout") or "")),
+                           "stderr": for_model(str(content.get("stderr") or "")),
                            "return_code": content.get("return_code")}, ensure_ascii=False)
     else:
         text = json.dumps({key: value for key, value in content.items() if key != "type"},
@@ -593,15 +594,15 @@ def _feedback(inner: dict, run: Run | None) -> dict:
         return {"content": f"error: {inner.get('error_code')}: {explanation or ''}".rstrip(": "),
                 "is_error": True}
     if kind in ("bash_code_execution_result", "code_execution_result"):
-        text = {"stdout": inner["stdout"], "stderr": inner["stderr"],
+        text = {"stdout": for_model(inner["stdout"]), "stderr": for_model(inner["stderr"]),
                 "return_code": inner["return_code"]}
         if run is not None and run.files:
             text["files"] = [item.path for item in run.files]
         return {"content": json.dumps(text, ensure_ascii=False)}
     if kind == "text_editor_code_execution_view_result" and run is not None:
-        return {"content": run.result.stdout}
+        return {"content": for_model(run.result.stdout)}
     if run is not None and run.result.stdout:
-        return {"content": run.result.stdout}
+        return {"content": for_model(run.result.stdout)}
     return {"content": json.dumps({k: v for k, v in inner.items() if k != "type"})}
 
 

@@ -30,6 +30,20 @@ log = logging.getLogger("shoal.gateway")
 
 # While the sandbox works, a streaming client still hears from us this often.
 KEEPALIVE_SECONDS = 15.0
+# What the model is told of one output stream, in characters. The client gets the
+# whole output (up to the sandbox's cap, 1 MiB); a model sent a megabyte of log
+# is sent more than its context holds, and the upstream refuses the next turn,
+# and every later request of a client that keeps the result in its history.
+MODEL_OUTPUT_CHARS = 40_000
+
+
+def for_model(text: str, limit: int = MODEL_OUTPUT_CHARS) -> str:
+    """``text`` as the model is told it: its head and tail past ``limit``."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 3 // 4, limit // 4
+    return (f"{text[:head]}\n[... {len(text) - head - tail} characters omitted: the output "
+            f"was too long to show in full ...]\n{text[len(text) - tail:]}")
 
 
 @dataclass

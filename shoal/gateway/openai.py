@@ -34,7 +34,7 @@ from shoal.sessions import ContainerFile
 from shoal.sessions.network import InvalidNetworkPolicy, check_network_policy
 from shoal.storage import ContainerRecord
 
-from .engine import Paused, ToolUse, Turn
+from .engine import Paused, ToolUse, Turn, for_model
 from .upstream import Timing, Upstream, UpstreamError
 
 CODE_INTERPRETER, CARONTE = "code_interpreter", "caronte:code_execution"
@@ -216,7 +216,7 @@ def upstream_items(items: list[dict]) -> list[dict]:
             logs = "".join(o["logs"] for o in outputs if isinstance(o, dict)
                            and o.get("type") == "logs" and isinstance(o.get("logs"), str))
             mapped.append({"type": "function_call_output", "call_id": call_id,
-                           "output": logs or "(the call's output was not sent back)"})
+                           "output": for_model(logs) or "(the call's output was not sent back)"})
         elif kind == "message" and item.get("role") == "assistant" and isinstance(
                 item.get("content"), list):
             mapped.append({key: value for key, value in item.items() if value is not None
@@ -471,7 +471,7 @@ class OpenAIAdapter:
             events += self._interpreter_done(use, run, failure, images)
             output = _interpreter_feedback(run, failure)
         else:
-            output = json.dumps(run.record() if run is not None else {
+            output = json.dumps(_record_for_model(run) if run is not None else {
                 "status": "failed", "error": getattr(failure, "reason", "the run could not start")},
                 ensure_ascii=False)
             if run is not None and run.container is not None:
@@ -700,6 +700,11 @@ def _history_item(item: dict) -> dict | None:
     return {key: value for key, value in item.items() if value is not None}
 
 
+def _record_for_model(run: Run) -> dict:
+    record = run.record()
+    return {**record, "stdout": for_model(record["stdout"]), "stderr": for_model(record["stderr"])}
+
+
 def _unsendable(item: dict) -> bool:
     """A reasoning item without its encrypted content: with "store": false the
     upstream has no item of that id, and answers 404 for it (dropped, the model
@@ -737,9 +742,9 @@ def _interpreter_feedback(run: Run | None, failure: object) -> str:
         return "error: " + (getattr(failure, "reason", None) or (
             run.error if run is not None else "the code could not be run"))
     result = run.result
-    text = result.stdout
+    text = for_model(result.stdout)
     if result.stderr:
-        text += ("\n" if text and not text.endswith("\n") else "") + result.stderr
+        text += ("\n" if text and not text.endswith("\n") else "") + for_model(result.stderr)
     if result.timed_out:
         text += "\n[the code timed out]"
     files = [f"/mnt/data/{item.filename}" if item.path.startswith("/mnt/user-data/outputs/")

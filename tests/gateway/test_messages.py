@@ -204,6 +204,30 @@ def test_error_blocks_strict_and_zylon(anthropic_client, upstream):
         assert fed_back(upstream.requests[1].body)[0]["is_error"] is True
 
 
+def test_a_huge_output_is_whole_for_the_client_and_bounded_for_the_model(anthropic_client, upstream):
+    # A megabyte of log was sent to the model whole, in this turn and in every
+    # later request that sent the result back: past a model's context, so the
+    # upstream refused them all ("prompt is too long").
+    command = "head -c 3000000 /dev/zero | tr '\\0' a; echo; echo THE-END"
+    upstream.script(anthropic_turn(bash(command)), anthropic_turn(text("long")),
+                    anthropic_turn(text("still here")))
+    message = ask(anthropic_client)
+    result = message.content[1].content
+    assert len(result.stdout) > 1_000_000
+    told = last_result(upstream.requests[1].body)
+    assert len(upstream.requests[1].raw) < 100_000
+    assert "characters omitted" in told["stdout"] and told["stdout"].startswith("aaaa")
+
+    history = [{"role": "user", "content": "go"},
+               {"role": "assistant", "content": [block.model_dump(exclude_none=True)
+                                                 for block in message.content]},
+               {"role": "user", "content": "and now?"}]
+    again = anthropic_client.messages.create(model="claude-test", max_tokens=64, tools=[TOOL],
+                                             messages=history, container=message.container.id)
+    assert again.content[-1].text == "still here"
+    assert len(upstream.requests[2].raw) < 100_000
+
+
 def test_a_timeout_is_return_code_124(anthropic_client, upstream):
     upstream.script(anthropic_turn(bash("echo started; sleep 20", timeout=1)),
                     lambda body: anthropic_turn(text(str(last_result(body)["return_code"]))))

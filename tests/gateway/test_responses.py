@@ -377,6 +377,21 @@ def test_include_off_means_no_outputs(upstream, openai_client):
     assert "chart saved" in fed_back(upstream, 1)  # the model still saw the logs
 
 
+def test_a_huge_output_is_whole_for_the_client_and_bounded_for_the_model(upstream, openai_client):
+    upstream.script(*run_ci("print('a' * 3_000_000)", "long"),
+                    openai_turn(function_call("code_execution", {"code": "print('b' * 3_000_000)"})),
+                    openai_turn(message("long too")))
+    response = openai_client.responses.create(model=MODEL, input="go", tools=[CI_AUTO],
+                                              include=OUTPUTS)
+    assert len(only(response, "code_interpreter_call").outputs[0].logs) > 1_000_000
+    assert "characters omitted" in fed_back(upstream, 1)
+    assert len(upstream.requests[1].raw) < 100_000
+
+    openai_client.responses.create(model=MODEL, input="go", tools=[CARONTE])
+    assert len(upstream.requests[3].raw) < 100_000
+    assert "characters omitted" in caronte_result(upstream, 3)["stdout"]
+
+
 def test_last_expression_value_is_logged(upstream, openai_client):
     upstream.script(openai_turn(function_call("code_interpreter", {"code": "value = 6 * 7\nvalue"})),
                     then_say(lambda out: f"saw {out.strip()}"))
