@@ -336,6 +336,7 @@ class AnthropicAdapter:
         self.executions = 0
         self.stop_reason: str | None = None
         self._started = False
+        self._asked = False  # the upstream was called once already
         self._results: list[dict] = []
 
     # -- the engine's interface ------------------------------------------------------------------
@@ -353,6 +354,9 @@ class AnthropicAdapter:
             self.history.append({"role": "user", "content": self._results})
             self._results = []
         body = {**self.base_body, "messages": self.history, "tools": self.upstream_tools}
+        if self._asked and "tool_choice" in body:
+            body["tool_choice"] = _relaxed(body["tool_choice"])
+        self._asked = True
         turn = Turn()
         blocks: dict[int, dict] = {}
         turn_output = 0
@@ -568,6 +572,17 @@ class _Refusal:
 
     def feedback(self) -> dict:
         return {"content": f"error: {self.code}: {self.explanation}", "is_error": True}
+
+
+def _relaxed(choice: object) -> object:
+    """The client's tool_choice for the loop's later turns. A forced choice ("any",
+    one tool) binds the model's first turn; held on every turn, it forbids the
+    answer after the code ran, and the loop called the model until its budget
+    ended it, every request, at pause_turn."""
+    if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+        return {"type": "auto", **{key: value for key, value in choice.items()
+                                   if key == "disable_parallel_tool_use"}}
+    return choice
 
 
 def _check_editor(arguments: dict) -> _Refusal | None:

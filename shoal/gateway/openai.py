@@ -295,6 +295,7 @@ class OpenAIAdapter:
         self.pending_calls: list[dict] = []  # function_call items of a paused run
         self._sequence = 0
         self._started = False
+        self._asked = False  # the upstream was called once already
         self._uncited: list[ContainerFile] = []
         self._inlined = self._inlined_bytes = 0
         self._cited_containers: dict[str, str] = {}
@@ -323,6 +324,9 @@ class OpenAIAdapter:
         self._outputs = []
         body = {**self.base_body, "input": self.conversation.history, "tools": self.upstream_tools,
                 "store": False}
+        if self._asked and "tool_choice" in body:
+            body["tool_choice"] = _relaxed(body["tool_choice"])
+        self._asked = True
         turn = Turn()
         items: dict[int, dict] = {}
         completed = None
@@ -698,6 +702,20 @@ def _history_item(item: dict) -> dict | None:
                 "content": [{**part, "annotations": []} if part.get("type") == "output_text" else part
                             for part in item.get("content") or [] if isinstance(part, dict)]}
     return {key: value for key, value in item.items() if value is not None}
+
+
+def _relaxed(choice: object) -> object:
+    """The client's tool_choice for the loop's later turns. A forced choice
+    ("required", one tool) binds the model's first turn; held on every turn, it
+    forbids the answer after the code ran, and the loop called the model until
+    its budget ended it, every request, as incomplete."""
+    if choice == "required":
+        return "auto"
+    if isinstance(choice, dict):
+        if choice.get("type") == "allowed_tools":
+            return {**choice, "mode": "auto"}
+        return "auto"
+    return choice
 
 
 def _record_for_model(run: Run) -> dict:

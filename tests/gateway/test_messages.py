@@ -322,6 +322,26 @@ def test_a_model_cut_off_at_max_tokens_ends_the_message(anthropic_client, upstre
     assert message.usage.server_tool_use.model_extra["code_execution_requests"] == 0
 
 
+def forced_model(body: dict) -> AnthropicTurn:
+    """A model bound by tool_choice, as the real API binds it: it must call a tool."""
+    if (body.get("tool_choice") or {}).get("type") in ("any", "tool"):
+        return anthropic_turn(bash("echo computed"))
+    return anthropic_turn(text("The code said: " + last_result(body)["stdout"].strip()))
+
+
+@pytest.mark.parametrize("choice", [{"type": "tool", "name": "code_execution"}, {"type": "any"}],
+                         ids=["code_execution", "any"])
+def test_a_forced_tool_choice_binds_the_first_turn_only(anthropic_client, upstream, choice):
+    # Held on every turn, the forced choice forbade the model's answer after its
+    # code ran: ten calls of the model, and the message ended at pause_turn.
+    upstream.script(*[forced_model] * 10)
+    message = ask(anthropic_client, tool_choice=choice)
+    assert message.stop_reason == "end_turn"
+    assert message.content[-1].text == "The code said: computed"
+    assert len(upstream.requests) == 2
+    assert upstream.requests[0].body["tool_choice"]["type"] in ("any", "tool")
+
+
 def test_many_calls_in_one_turn_are_held_to_the_execution_budget(gateway_factory, upstream):
     # The budget counted turns: one turn of 60 calls ran all 60, each up to its
     # own timeout. Past the budget a call is answered, not run, and the turn pauses.

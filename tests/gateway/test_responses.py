@@ -215,6 +215,27 @@ def test_a_reasoning_models_turns_continue(upstream, openai_client):
     assert by_hand.output_text == "by hand"
 
 
+def forced_model(body: dict) -> OpenAITurn:
+    """A model bound by tool_choice, as the real API binds it: it must call a tool."""
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        return openai_turn(function_call("code_interpreter", {"code": "print('computed')"}))
+    return openai_turn(message("The code said: " + last_output(body).strip()))
+
+
+@pytest.mark.parametrize("choice", [{"type": "code_interpreter"}, "required"],
+                         ids=["code_interpreter", "required"])
+def test_a_forced_tool_choice_binds_the_first_turn_only(upstream, openai_client, choice):
+    # Held on every turn, the forced choice forbade the model's answer after its
+    # code ran: ten calls of the model, and an incomplete response.
+    upstream.script(*[forced_model] * 10)
+    response = openai_client.responses.create(model=MODEL, input="go", tools=[CI_AUTO],
+                                              tool_choice=choice)
+    assert response.status == "completed"
+    assert response.output_text == "The code said: computed"
+    assert len(upstream.requests) == 2
+    assert response.tool_choice == choice or response.tool_choice.type == "code_interpreter"
+
+
 def test_items_keep_their_place(upstream, openai_client):
     upstream.script(openai_turn(message("Let me compute."), function_call("code_interpreter", {"code": "a = 20\nprint(a)"})),
                     openai_turn(function_call("code_interpreter", {"code": "print(a + 1)"})),
