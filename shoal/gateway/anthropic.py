@@ -391,6 +391,15 @@ class AnthropicAdapter:
                 entry = blocks.get(data.get("index"))
                 if entry is None:
                     continue
+                given = entry["upstream"].get("input")
+                if entry["shown_start"].get("type") == "server_tool_use" and not entry["json"] and given:
+                    # An upstream that gave the whole input at the block's start (some
+                    # Messages-compatible servers do) sent no deltas: the client's
+                    # block starts empty, as Anthropic's does, and gets it as one.
+                    entry["json"] = json.dumps(given, ensure_ascii=False)
+                    yield self._event("content_block_delta", {
+                        "type": "content_block_delta", "index": entry["index"],
+                        "delta": {"type": "input_json_delta", "partial_json": entry["json"]}})
                 _close(entry)
                 yield self._event("content_block_stop", {"type": "content_block_stop",
                                                          "index": entry["index"]})

@@ -293,6 +293,39 @@ class _Overloaded(AnthropicTurn):
             yield event
 
 
+class _WholeInput(AnthropicTurn):
+    """A turn whose tool_use blocks carry their whole input at their start, with no
+    input_json_delta (as some Messages-compatible servers stream them)."""
+
+    def events(self, request):
+        for name, data in super().events(request):
+            if name == "content_block_start" and data["content_block"]["type"] == "tool_use":
+                block = self.content[data["index"]]
+                data = {**data, "content_block": dict(block)}
+            elif name == "content_block_delta" and data["delta"]["type"] == "input_json_delta":
+                continue
+            yield name, data
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_tool_input_given_whole_at_the_block_start_is_shown(anthropic_client, upstream,
+                                                               streamed):
+    # The call ran, but the client was shown it with "input": {}.
+    turn = anthropic_turn(bash("echo whole"))
+    upstream.script(_WholeInput(turn.content, turn.stop_reason, turn.usage, turn.model,
+                                turn.pacing), anthropic_turn(text("ok")))
+    arguments = dict(model="claude-test", max_tokens=64, tools=[TOOL],
+                     messages=[{"role": "user", "content": "go"}])
+    if streamed:
+        with anthropic_client.messages.stream(**arguments) as stream:
+            message = stream.get_final_message()
+    else:
+        message = anthropic_client.messages.create(**arguments)
+    assert message.content[0].type == "server_tool_use"
+    assert message.content[0].input == {"command": "echo whole"}
+    assert message.content[1].content.stdout == "whole\n"
+
+
 def test_an_upstream_overloaded_mid_stream_keeps_its_status(anthropic_client, upstream):
     # The model overloaded after its stream began: the whole message was a 502,
     # where the upstream (and Anthropic) says 529, the status clients back off on.
