@@ -47,6 +47,8 @@ async def create_response(request: Request, tenant: str = Depends(tenant_of)) ->
     body = await read_json_object(request)
     try:
         parsed = parse_request(body)
+        if parsed is None and await gateway.holds_conversation(tenant, body):
+            parsed = parse_request(body, continuing=True)
     except InvalidResponsesRequest as exc:
         raise BadRequest(400, str(exc), param=exc.param) from None
     try:

@@ -95,13 +95,16 @@ class ResponsesRequest:
     code_tools: list[ToolSpec] = field(default_factory=list)
 
 
-def parse_request(body: dict) -> ResponsesRequest | None:
-    """The parsed request, or None when it has no code tool (pass it through)."""
+def parse_request(body: dict, continuing: bool = False) -> ResponsesRequest | None:
+    """The parsed request, or None when it has no code tool (pass it through).
+    ``continuing``: it continues a conversation held here, code tool or not."""
     tools = body.get("tools")
+    if tools is None and continuing:
+        tools = []
     if not isinstance(tools, list):
         return None
     kinds = [tool.get("type") for tool in tools if isinstance(tool, dict)]
-    if CODE_INTERPRETER not in kinds and CARONTE not in kinds:
+    if CODE_INTERPRETER not in kinds and CARONTE not in kinds and not continuing:
         return None  # not ours to judge: the upstream answers it as it would
     for tool in tools:  # what the loop reads of the tools has the types it reads
         if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
@@ -283,7 +286,7 @@ class OpenAIAdapter:
         if request.caronte is not None:
             names.append(CARONTE_FUNCTION)
         self.code_names = set(names)
-        other_tools = [tool for tool in request.body["tools"]
+        other_tools = [tool for tool in request.body.get("tools") or []
                        if tool.get("type") not in (CODE_INTERPRETER, CARONTE)]
         self.upstream_tools = other_tools + [UPSTREAM_TOOLS[name] for name in names]
         self.output: list[dict] = []

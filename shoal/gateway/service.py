@@ -357,6 +357,13 @@ class Gateway:
             tenant=session.tenant, id=adapter.response_id, created_at=time.time(),
             body=adapter.response(), state=state))
 
+    async def holds_conversation(self, tenant: str, body: dict) -> bool:
+        """Whether the request continues a response kept here: the upstream never
+        kept it (the loop's calls are store:false), so it cannot be passed through."""
+        previous = body.get("previous_response_id")
+        return isinstance(previous, str) and (
+            await self.sessions.metadata.get_response(tenant, previous)) is not None
+
     async def stored_response(self, tenant: str, response_id: str) -> dict:
         stored = await self.sessions.metadata.get_response(tenant, response_id)
         if stored is None:

@@ -472,6 +472,9 @@ class ScriptedUpstream:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.requests: list[Recorded] = []
+        # Ids of the Responses this server answered with "store" not false: the only
+        # ones a later request's previous_response_id may name, as at OpenAI.
+        self.stored_responses: set[str] = set()
         self._turns: deque[TurnSource] = deque()
         self._failures: deque[list] = deque()  # [_Failure, times left]
         self._lock = threading.Lock()
@@ -638,6 +641,11 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             return self._send_json(400, dialect.error_body(400, "scripted upstream: the body is not a JSON object"),
                                    {dialect.request_id_header: _new_id("req_")})
+        previous = body.get("previous_response_id") if dialect.turn_type is OpenAITurn else None
+        if previous is not None and previous not in self.upstream.stored_responses:
+            return self._send_json(404, dialect.error_body(
+                404, f"Previous response with id '{previous}' not found."),
+                {dialect.request_id_header: _new_id("req_")})
         missing = _unpersisted_item(body) if dialect.turn_type is OpenAITurn else None
         if missing is not None:
             return self._send_json(404, dialect.error_body(404, (
@@ -695,7 +703,15 @@ class _Handler(BaseHTTPRequestHandler):
             return self._hang(recorded)
         if not self._pause(turn.pacing.delay, recorded):
             return
-        self._send_json(200, turn.render(body), {dialect.request_id_header: _new_id("req_")})
+        rendered = turn.render(body)
+        self._keep(body, rendered)
+        self._send_json(200, rendered, {dialect.request_id_header: _new_id("req_")})
+
+    def _keep(self, body: dict, response: dict) -> None:
+        if isinstance(response.get("id"), str) and response.get("object") == "response" and (
+                body.get("store") is not False):
+            with self.upstream._lock:
+                self.upstream.stored_responses.add(response["id"])
 
     def _send_stream(self, dialect: _Dialect, turn: Turn, body: dict, recorded: Recorded) -> None:
         self.close_connection = True
@@ -708,6 +724,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         pacing = turn.pacing
         for sent, (name, payload) in enumerate(turn.events(body)):
+            if sent == 0 and isinstance(payload.get("response"), dict):
+                self._keep(body, payload["response"])
             if sent == pacing.hang_after:
                 return self._hang(recorded)
             if sent == pacing.end_after:

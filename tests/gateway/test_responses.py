@@ -1027,6 +1027,25 @@ def test_streaming_hides_caronte_round_trips(upstream, openai_client):
 # --------------------------------------------------------------------------- pass-through and upstream errors
 
 
+@pytest.mark.parametrize("tools", [None, [], [PRICE_TOOL]], ids=["no-tools", "empty", "function"])
+def test_a_conversation_of_the_code_tool_continues_without_it(upstream, openai_client, tools):
+    # The follow-up named a response only this server holds (its model calls are
+    # store:false), but without a code tool it was passed through as it came:
+    # the upstream answered 404 for the previous_response_id.
+    upstream.script(*run_ci("secret = 41", "kept it"))
+    first = openai_client.responses.create(model=MODEL, input="keep 41", tools=[CI_AUTO])
+    upstream.script(lambda body: openai_turn(message(f"I see {len(body['input'])} items")))
+    extra = {} if tools is None else {"tools": tools}
+    follow = openai_client.responses.create(model=MODEL, input="what was it?",
+                                            previous_response_id=first.id, **extra)
+    assert follow.output_text == "I see 5 items"  # the question, call, output, answer, question
+    assert follow.previous_response_id == first.id
+    sent = upstream.requests[-1].body
+    assert "previous_response_id" not in sent and sent["store"] is False
+    assert_outputs_answered(sent)
+    assert openai_client.responses.retrieve(follow.id).output_text == "I see 5 items"
+
+
 def test_request_without_code_tool_passes_through(upstream, openai_client, http):
     upstream.script(openai_turn(message("plain answer")))
     tools = [PRICE_TOOL]
