@@ -173,6 +173,12 @@ def parse_request(body: dict, continuing: bool = False) -> ResponsesRequest | No
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise InvalidResponsesRequest("previous_response_id must be a string", "previous_response_id")
+    if body.get("conversation") is not None:
+        # The loop's model calls keep nothing upstream (store:false), so they can
+        # neither read the conversation nor add to it: dropped, the model answered
+        # without the conversation's context, and nothing said so.
+        raise InvalidResponsesRequest("conversation is not supported with the code tools served "
+                                      "here; continue with previous_response_id", "conversation")
     return ResponsesRequest(body=body, stream=body.get("stream") is True,
                             include_outputs=isinstance(include, list) and INCLUDE_OUTPUTS in include,
                             code_interpreter=interpreter, caronte=caronte,

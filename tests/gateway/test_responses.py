@@ -1315,6 +1315,17 @@ def test_allowed_tools_naming_an_undeclared_tool_is_a_bad_request(upstream, open
     assert upstream.requests == []
 
 
+def test_a_conversation_the_loop_cannot_keep_is_a_bad_request(upstream, openai_client):
+    # The loop dropped "conversation": the model answered without its context,
+    # the answer was not added to it, and the client was not told.
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client.responses.create(model=MODEL, input="and then?", tools=[CI_AUTO],
+                                       conversation="conv_abc")
+    assert raised.value.param == "conversation"
+    assert "previous_response_id" in raised.value.body["message"]
+    assert upstream.requests == []
+
+
 @pytest.mark.parametrize("tools, items", [
     ([CI_AUTO, "x"], None),
     ([CI_AUTO, {"type": "function", "name": []}], None),
