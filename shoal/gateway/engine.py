@@ -106,13 +106,17 @@ class Adapter(Protocol):
 
 class ToolLoop:
     def __init__(self, adapter: Adapter, runs: RunManager, tenant: str,
-                 max_round_trips: int, model: ModelAccess | None = None) -> None:
+                 max_round_trips: int, model: ModelAccess | None = None,
+                 max_calls: int | None = None) -> None:
         # The request's model API, for the code it runs (shoal.egress.tokens).
         self.model = model
         self.adapter = adapter
         self.runs = runs
         self.tenant = tenant
         self.max_round_trips = max_round_trips
+        # The client's own bound on the calls run (OpenAI's max_tool_calls): past
+        # it a call is answered, not run, and the model goes on to its answer.
+        self.max_calls = max_round_trips if max_calls is None else min(max_calls, max_round_trips)
         self.round_trips = 0
         self.executions = 0
         self.paused: Paused | None = None
@@ -146,7 +150,7 @@ class ToolLoop:
                         yield event
                     return
                 for use in ours:
-                    if self.executions >= self.max_round_trips:
+                    if self.executions >= self.max_calls:
                         # One turn may ask for many calls: the budget is of
                         # executions, each up to its timeout, not of turns. The
                         # rest are answered, not run; the client may continue.

@@ -173,6 +173,10 @@ def parse_request(body: dict, continuing: bool = False) -> ResponsesRequest | No
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise InvalidResponsesRequest("previous_response_id must be a string", "previous_response_id")
+    calls = body.get("max_tool_calls")
+    if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int) or calls < 0):
+        raise InvalidResponsesRequest("max_tool_calls must be a non-negative integer",
+                                      "max_tool_calls")
     if body.get("conversation") is not None:
         # The loop's model calls keep nothing upstream (store:false), so they can
         # neither read the conversation nor add to it: dropped, the model answered

@@ -274,7 +274,8 @@ class Gateway:
         user = request.body.get("user") or request.body.get("safety_identifier")
         loop = ToolLoop(adapter, self.runs, tenant, self.settings.gateway_max_round_trips,
                         ModelAccess("openai", _model_of(request.body),
-                                    user if isinstance(user, str) else None))
+                                    user if isinstance(user, str) else None),
+                        max_calls=request.body.get("max_tool_calls"))
         return ResponsesSession(self, tenant, request, adapter, loop, resume)
 
     async def _resume(self, pending: _PausedResponse, answers: list[dict]) -> Paused | None:

@@ -571,6 +571,25 @@ def tight_gateway(gateway_factory):
     return gateway_factory(max_memory_limit_mib=1024, tool_wait_seconds=1)
 
 
+def test_max_tool_calls_bounds_the_calls_run(upstream, openai_client):
+    # The client's max_tool_calls was passed to the model, which does not run
+    # these calls: every one the model made ran, up to the server's own budget.
+    upstream.script(openai_turn(function_call("code_interpreter", {"code": "n = 1\nprint(n)"})),
+                    openai_turn(function_call("code_interpreter", {"code": "n += 1\nprint(n)"})),
+                    then_say(lambda output: f"Stopped: {output}"))
+    response = openai_client.responses.create(model=MODEL, input="count", tools=[CI_AUTO],
+                                              max_tool_calls=1)
+    assert response.status == "completed"
+    assert fed_back(upstream, 1).strip() == "1"
+    assert "not run" in fed_back(upstream, 2)
+    assert response.output_text.startswith("Stopped: error:")
+
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client.responses.create(model=MODEL, input="count", tools=[CI_AUTO],
+                                       max_tool_calls="1")
+    assert raised.value.param == "max_tool_calls"
+
+
 def test_many_calls_in_one_turn_are_held_to_the_execution_budget(upstream, gateway_factory):
     server = gateway_factory(gateway_max_round_trips=3)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=CLIENT_TOKEN, max_retries=0)
