@@ -14,6 +14,7 @@ and an unreachable upstream is a 502 with the reason.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
@@ -24,6 +25,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from shoal.streaming import StreamingBody, relayed
+
+log = logging.getLogger("shoal.gateway")
 
 # Response headers worth passing back from the upstream.
 _PASSED_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry", "content-type")
@@ -134,8 +137,7 @@ class Upstream:
                 response = source.response
                 if response.status_code >= 400:
                     await response.aread()
-                    raise UpstreamError(response.status_code, _body_of(response),
-                                        _headers_of(response))
+                    raise _refusal(response)
                 async for sse in source.aiter_sse():
                     now = time.perf_counter()
                     timing.upstream += now - waited_since
@@ -173,6 +175,12 @@ class Upstream:
             raise UpstreamError(503, _BUSY, {"retry-after": "1"}) from None
         except httpx.HTTPError as exc:
             raise UpstreamError(502, f"the upstream model could not be reached: {exc}") from None
+        if response.status_code in _OPERATORS_FAULT:
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+            raise _refusal(response)
         headers = {k: v for k, v in response.headers.items() if k.lower() in _PASSED_HEADERS}
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingBody(relayed(response), status_code=response.status_code,
@@ -197,6 +205,23 @@ def _status_of_error_event(data: dict) -> int:
     error = data.get("error")
     kind = error.get("type") if isinstance(error, dict) else data.get("code")
     return _ERROR_EVENT_STATUS.get(kind, 502) if isinstance(kind, str) else 502
+
+
+# The upstream refusing the operator's key: the client's own credentials were
+# good (they got it this far), and a 401 or 403 passed on told its SDK that they
+# were not ("invalid x-api-key"), where the fault is the server's to fix.
+_OPERATORS_FAULT = (401, 403)
+
+
+def _refusal(response: httpx.Response) -> UpstreamError:
+    refused = UpstreamError(response.status_code, _body_of(response), _headers_of(response))
+    if response.status_code not in _OPERATORS_FAULT:
+        return refused
+    # Its words are the operator's (OpenAI's name part of the key): logged, not sent.
+    log.warning("the upstream model refused the operator's key: HTTP %d: %s",
+                response.status_code, refused.message)
+    return UpstreamError(502, f"the upstream model refused this server's credentials (HTTP "
+                              f"{response.status_code}); the operator must fix its upstream key")
 
 
 def _body_of(response: httpx.Response) -> object:

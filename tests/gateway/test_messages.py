@@ -550,6 +550,20 @@ def test_upstream_errors_pass_through(anthropic_client, upstream, status, error)
             stream.get_final_message()
 
 
+@pytest.mark.parametrize("with_code_tool", [True, False], ids=["tool-loop", "pass-through"])
+@pytest.mark.parametrize("status", [401, 403])
+def test_an_upstream_refusing_the_operators_key_is_not_the_clients_auth_error(
+        anthropic_client, upstream, status, with_code_tool):
+    # The upstream's 401 reached the client as its own: AuthenticationError,
+    # "invalid x-api-key", for a client whose token was fine.
+    upstream.fail(status, message="invalid x-api-key")
+    with pytest.raises(anthropic.APIStatusError) as raised:
+        ask(anthropic_client, tools=(TOOL,) if with_code_tool else ())
+    assert raised.value.status_code == 502
+    assert raised.value.body["error"]["type"] == "api_error"
+    assert "operator" in raised.value.body["error"]["message"]
+
+
 def test_a_client_that_disconnects_stops_the_loop(anthropic_client, upstream, gateway):
     container = a_container()
     upstream.script(anthropic_turn(bash("sleep 4; touch /mnt/user-data/outputs/late.txt")),

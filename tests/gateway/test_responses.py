@@ -1129,6 +1129,17 @@ def test_upstream_errors_pass_through(upstream, openai_client, status, error, te
 
 
 @pytest.mark.parametrize("with_code_tool", [True, False], ids=["tool-loop", "pass-through"])
+def test_an_upstream_refusing_the_operators_key_is_not_the_clients_auth_error(
+        upstream, openai_client, with_code_tool):
+    upstream.fail(401, message="Incorrect API key provided: sk-op****-key.")
+    with pytest.raises(openai.APIStatusError) as raised:
+        openai_client.responses.create(model=MODEL, input="hi",
+                                       tools=[CI_AUTO] if with_code_tool else [PRICE_TOOL])
+    assert raised.value.status_code == 502
+    assert "sk-op" not in str(raised.value.body)
+
+
+@pytest.mark.parametrize("with_code_tool", [True, False], ids=["tool-loop", "pass-through"])
 def test_upstream_error_before_a_stream(upstream, openai_client, with_code_tool):
     upstream.fail(429, message="Slow down, scripted", headers=FAST_RETRY)
     tools = [CI_AUTO] if with_code_tool else [PRICE_TOOL]
