@@ -250,6 +250,8 @@ class Conversation:
     history: list[dict] = field(default_factory=list)
     interpreter_container: str | None = None
     caronte_container: str | None = None
+    # Uploads (file ids) copied into the interpreter's container so far.
+    attached: list[str] = field(default_factory=list)
 
     def interpreter_container_id(self) -> str:
         """The interpreter's container id, chosen before the container is made:

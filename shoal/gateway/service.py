@@ -208,7 +208,8 @@ class Gateway:
                 items = answers + items[answering[-1] + 1:]
         conversation = openai.Conversation(list(state.get("history") or []),
                                            state.get("interpreter_container"),
-                                           state.get("caronte_container"))
+                                           state.get("caronte_container"),
+                                           list(state.get("attached") or []))
         resume = None
         if pending is not None:
             answers = [item for item in items if item.get("type") == "function_call_output"
@@ -234,24 +235,32 @@ class Gateway:
             if kind == "interpreter":
                 named = isinstance((marker or {}).get("container"), str)
                 current = conversation.interpreter_container_id()
+                spec = (marker or {}).get("container") if not named else None
+                spec = spec or {}
                 try:
-                    return await containers.get(tenant, current)
+                    record = await containers.get(tenant, current)
                 except UnknownContainer:
                     if named:
                         raise
-                # An auto container, made now, when the model first calls the tool
-                # (under the id the client was already shown), or anew if it expired.
-                spec = (marker or {}).get("container") or {}
-                try:
-                    record = await containers.create(
-                        tenant, current, name="code_interpreter", implicit=True,
-                        memory_limit=spec.get("memory_limit"),
-                        network_policy=check_network_policy(spec.get("network_policy")))
-                except ContainerExists:  # a concurrent request of the conversation made it
-                    return await containers.get(tenant, current)
+                    # An auto container, made now, when the model first calls the tool
+                    # (under the id the client was already shown), or anew if it expired.
+                    conversation.attached = []
+                    try:
+                        record = await containers.create(
+                            tenant, current, name="code_interpreter", implicit=True,
+                            memory_limit=spec.get("memory_limit"),
+                            network_policy=check_network_policy(spec.get("network_policy")))
+                    except ContainerExists:  # a concurrent request of the conversation made it
+                        record = await containers.get(tenant, current)
+                # A follow-up's files go into the conversation's container too: they
+                # were attached only when it was made, and a file the user added later
+                # was not there for the model's code.
                 for file_id in spec.get("file_ids") or []:
+                    if file_id in conversation.attached:
+                        continue
                     upload, handle, _ = await self.sessions.uploads.open(tenant, file_id)
                     await self.sessions.container_files.attach_upload(record, upload, handle)
+                    conversation.attached.append(file_id)
                 return record
             named = (marker or {}).get("container") or conversation.caronte_container
             if named is None:
@@ -345,7 +354,8 @@ class Gateway:
         conversation = adapter.conversation
         state = {"history": conversation.history + adapter.pending_outputs(),
                  "interpreter_container": conversation.interpreter_container,
-                 "caronte_container": conversation.caronte_container}
+                 "caronte_container": conversation.caronte_container,
+                 "attached": conversation.attached}
         paused = session.loop.paused
         if paused is not None:
             entry = _PausedResponse(session.tenant, paused.run.id, paused.use,

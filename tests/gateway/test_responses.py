@@ -498,6 +498,24 @@ def test_auto_container_with_file_ids(upstream, openai_client):
         b"water boils at 100")
 
 
+def test_a_follow_ups_file_ids_reach_the_conversations_container(upstream, openai_client):
+    # The auto container got its file_ids when it was made: a file the user
+    # added in a later turn of the conversation was silently not there.
+    upstream.script(*run_ci("print(1)", "one"))
+    first = openai_client.responses.create(model=MODEL, input="hi", tools=[CI_AUTO])
+    early = openai_client.files.create(file=("early.txt", b"early", "text/plain"), purpose="user_data")
+    late = openai_client.files.create(file=("late.txt", b"late data", "text/plain"), purpose="user_data")
+    code = ("import glob\n"
+            "print(sorted(open(p).read() for p in glob.glob('/mnt/**/*.txt', recursive=True)))")
+    for ids, seen in (([early.id], "['early']"), ([early.id, late.id], "['early', 'late data']")):
+        upstream.script(openai_turn(function_call("code_interpreter", {"code": code})),
+                        then_say(lambda output: output.strip()))
+        first = openai_client.responses.create(
+            model=MODEL, input="read them", previous_response_id=first.id,
+            tools=[{"type": "code_interpreter", "container": {"type": "auto", "file_ids": ids}}])
+        assert first.output_text == seen
+
+
 def test_file_ids_are_attached_once_each_and_at_most_fifty(upstream, openai_client):
     # Each id is a copy into the container: one id named 3,000 times was 3,000.
     file = openai_client.files.create(file=("once.txt", b"once", "text/plain"), purpose="user_data")
