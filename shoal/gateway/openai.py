@@ -250,8 +250,16 @@ class Conversation:
     history: list[dict] = field(default_factory=list)
     interpreter_container: str | None = None
     caronte_container: str | None = None
-    # Uploads (file ids) copied into the interpreter's container so far.
-    attached: list[str] = field(default_factory=list)
+    # The uploads (file ids) copied into each of its containers so far, by container id.
+    attached: dict[str, list[str]] = field(default_factory=dict)
+
+    def not_attached(self, container_id: str, file_ids: list[str]) -> list[str]:
+        done = self.attached.get(container_id) or []
+        return [file_id for file_id in file_ids if file_id not in done]
+
+    def mark_attached(self, container_id: str, file_ids: list[str]) -> None:
+        done = self.attached.setdefault(container_id, [])
+        done.extend(file_id for file_id in file_ids if file_id not in done)
 
     def interpreter_container_id(self) -> str:
         """The interpreter's container id, chosen before the container is made:
@@ -463,12 +471,16 @@ class OpenAIAdapter:
         arguments = {**arguments, "language": language, "timeout_ms": min(timeout, MAX_TIMEOUT_MS)}
         marker = self.request.caronte or {}
         container = await self._containers("caronte", marker)
-        first = self.conversation.caronte_container is None
+        # Mounted in the container once each: a follow-up's new files too (they were
+        # given to a conversation's first run only, and a later one went missing).
+        file_ids = list(marker.get("file_ids") or [])
+        if container is not None:
+            file_ids = self.conversation.not_attached(container.id, file_ids)
         return RunRequest(language=arguments["language"], code=arguments["code"],
                           tools=list(self.request.code_tools),
                           allowed_tools=list(marker.get("allowed_tools") or []),
                           container_id=container.id if container else None,
-                          file_ids=list(marker.get("file_ids") or []) if first else [],
+                          file_ids=file_ids,
                           timeout_ms=arguments["timeout_ms"], caronte_files=True)
 
     def refusal(self, reason: str) -> "_Refusal":
@@ -495,6 +507,7 @@ class OpenAIAdapter:
                 ensure_ascii=False)
             if run is not None and run.container is not None:
                 self.conversation.caronte_container = run.container.id
+                self.conversation.mark_attached(run.container.id, run.request.file_ids)
         if run is not None:
             self._uncited.extend(run.files)
             if run.container is not None:

@@ -209,7 +209,7 @@ class Gateway:
         conversation = openai.Conversation(list(state.get("history") or []),
                                            state.get("interpreter_container"),
                                            state.get("caronte_container"),
-                                           list(state.get("attached") or []))
+                                           dict(state.get("attached") or {}))
         resume = None
         if pending is not None:
             answers = [item for item in items if item.get("type") == "function_call_output"
@@ -244,7 +244,7 @@ class Gateway:
                         raise
                     # An auto container, made now, when the model first calls the tool
                     # (under the id the client was already shown), or anew if it expired.
-                    conversation.attached = []
+                    conversation.attached.pop(current, None)
                     try:
                         record = await containers.create(
                             tenant, current, name="code_interpreter", implicit=True,
@@ -255,12 +255,10 @@ class Gateway:
                 # A follow-up's files go into the conversation's container too: they
                 # were attached only when it was made, and a file the user added later
                 # was not there for the model's code.
-                for file_id in spec.get("file_ids") or []:
-                    if file_id in conversation.attached:
-                        continue
+                for file_id in conversation.not_attached(record.id, spec.get("file_ids") or []):
                     upload, handle, _ = await self.sessions.uploads.open(tenant, file_id)
                     await self.sessions.container_files.attach_upload(record, upload, handle)
-                    conversation.attached.append(file_id)
+                    conversation.mark_attached(record.id, [file_id])
                 return record
             named = (marker or {}).get("container") or conversation.caronte_container
             if named is None:

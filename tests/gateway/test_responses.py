@@ -768,6 +768,17 @@ def test_caronte_file_ids_only_make_an_implicit_container(upstream, openai_clien
     assert again["stdout"] == "ALPHA BETA GAMMA\n"
     assert container_ids(openai_client) - before == {implicit}
 
+    # A file added in a later turn is mounted too (it was given to the first run only).
+    late = openai_client.files.create(file=("late.txt", b"delta", "text/plain"), purpose="user_data")
+    upstream.reset()
+    upstream.script(openai_turn(function_call("code_execution", {
+                        "code": "print(open('./external-files/late.txt').read())"})),
+                    openai_turn(message("late")))
+    openai_client.responses.create(model=MODEL, input="And late.txt?", previous_response_id=first.id,
+                                   tools=[{**marker, "file_ids": [file.id, late.id]}])
+    assert caronte_result(upstream, 1)["stdout"] == "delta\n"
+    assert caronte_result(upstream, 1)["container_id"] == implicit
+
 
 def paused_turns():
     code = ("import json\n"
