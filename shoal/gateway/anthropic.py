@@ -392,7 +392,8 @@ class AnthropicAdapter:
                 if entry is None:
                     continue
                 given = entry["upstream"].get("input")
-                if entry["shown_start"].get("type") == "server_tool_use" and not entry["json"] and given:
+                ours = entry["shown_start"].get("type") == "server_tool_use"
+                if ours and not entry["json"] and given:
                     # An upstream that gave the whole input at the block's start (some
                     # Messages-compatible servers do) sent no deltas: the client's
                     # block starts empty, as Anthropic's does, and gets it as one.
