@@ -138,6 +138,12 @@ def error_body(dialect: str, status: int, detail: object, request_id: str | None
     return body
 
 
+def _openais_own(request: Request) -> bool:
+    """An API OpenAI itself serves (Responses, Containers, Files), not Caronte's."""
+    path = request.url.path
+    return "/v1/code-execution" not in path and "/v1/runtime" not in path
+
+
 def request_id_of(request: Request) -> str | None:
     return request.scope.get("state", {}).get("request_id")
 
@@ -147,8 +153,10 @@ def error_response(request: Request | None, status: int, detail: object,
                    code: str | None = None) -> JSONResponse:
     dialect = dialect_of(request) if request is not None else PROTOCOL
     request_id = request_id_of(request) if request is not None else None
-    if dialect == ANTHROPIC and status == 422:
-        status = 400  # Anthropic answers every malformed request with a 400
+    if status == 422 and (dialect == ANTHROPIC or (dialect == OPENAI and _openais_own(request))):
+        # Anthropic and OpenAI answer every malformed request with a 400 (their
+        # SDKs raise BadRequestError for it); Caronte's run API keeps its 422.
+        status = 400
     if status == 503 or status == 429:
         headers = {"Retry-After": "1", **(headers or {})}
     return JSONResponse(error_body(dialect, status, detail, request_id, param, code),

@@ -1405,6 +1405,16 @@ def test_malformed_requests_are_openai_400s(upstream, http, tools, items):
     assert upstream.requests == []
 
 
+@pytest.mark.parametrize("body", [b"{nope", b"[1, 2]", b"", b'{"a": "\\udc80"}'],
+                         ids=["not-json", "not-an-object", "empty", "lone-surrogate"])
+def test_a_body_that_is_not_a_json_object_is_an_openai_400(upstream, http, body):
+    # OpenAI answers it with a 400; it was a 422, which the SDK raises as another error.
+    answer = http.post("/v1/responses", content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["type"] == "invalid_request_error", answer.text
+    assert upstream.requests == []
+
+
 def test_sent_back_interpreter_calls_of_odd_shapes_are_read_as_far_as_they_go(upstream, openai_client):
     # A client's history is replayed to the model: outputs that are not a list of
     # logs are left out rather than failing the request.
