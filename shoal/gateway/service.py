@@ -27,7 +27,7 @@ from shoal.sessions.network import check_network_policy
 from shoal.storage import ContainerRecord, ResponseRecord
 
 from . import anthropic, openai
-from .engine import Paused, ToolLoop, ToolUse
+from .engine import Paused, ToolLoop, ToolUse, for_model
 from .upstream import Upstream, UpstreamNotConfigured
 
 log = logging.getLogger("shoal.gateway")
@@ -309,6 +309,9 @@ class Gateway:
             record = await self.runs.record(pending.tenant, pending.run_id)
         except UnknownRun:
             record = {"status": "failed", "error": "the paused run is gone"}
+        # Bounded as every other output the model is told of (engine.for_model).
+        record = {**record, **{stream: for_model(record[stream]) for stream in ("stdout", "stderr")
+                               if isinstance(record.get(stream), str)}}
         return {"type": "function_call_output", "call_id": pending.use.id,
                 "output": json.dumps(record, ensure_ascii=False)}
 

@@ -889,6 +889,7 @@ def test_paused_run_never_resumed_is_reclaimed_and_its_container_kept(upstream, 
     code = ("try:\n"
             "    lookup_price(sku='A1')\n"
             "except Exception as exc:\n"
+            "    print('x' * 3_000_000)\n"
             "    open('after.txt', 'w').write('the call failed')\n")
     upstream.script(openai_turn(function_call("code_execution", {"code": code}, call_id="call_exec")))
     paused = client.responses.create(model=MODEL, input="Price of A1?", tools=tools)
@@ -911,6 +912,11 @@ def test_paused_run_never_resumed_is_reclaimed_and_its_container_kept(upstream, 
     assert_outputs_answered(upstream.requests[1].body)
     assert [item["call_id"] for item in history if item.get("type") == "function_call_output"][-1:] == ["call_exec"]
     assert late.output_text.startswith("the run ")
+    # What it printed reaches the model bounded, as any output does (it went whole).
+    told = [item["output"] for item in history if item.get("call_id") == "call_exec"
+            and item.get("type") == "function_call_output"][-1]
+    assert "characters omitted" in json.loads(told)["stdout"]
+    assert len(upstream.requests[1].raw) < 100_000
 
 
 def test_caronte_tool_not_allowed_has_no_stub(upstream, openai_client):
