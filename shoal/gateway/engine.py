@@ -28,8 +28,10 @@ from .upstream import Timing
 
 log = logging.getLogger("shoal.gateway")
 
-# While the sandbox works, a streaming client still hears from us this often.
+# While the sandbox works, or the model thinks in a later turn, a streaming
+# client still hears from us this often (the server's stream_ping_seconds).
 KEEPALIVE_SECONDS = 15.0
+_END = object()
 # What the model is told of one output stream, in characters. The client gets the
 # whole output (up to the sandbox's cap, 1 MiB); a model sent a megabyte of log
 # is sent more than its context holds, and the upstream refuses the next turn,
@@ -107,7 +109,8 @@ class Adapter(Protocol):
 class ToolLoop:
     def __init__(self, adapter: Adapter, runs: RunManager, tenant: str,
                  max_round_trips: int, model: ModelAccess | None = None,
-                 max_calls: int | None = None) -> None:
+                 max_calls: int | None = None,
+                 keepalive_seconds: float = KEEPALIVE_SECONDS) -> None:
         # The request's model API, for the code it runs (shoal.egress.tokens).
         self.model = model
         self.adapter = adapter
@@ -117,6 +120,7 @@ class ToolLoop:
         # The client's own bound on the calls run (OpenAI's max_tool_calls): past
         # it a call is answered, not run, and the model goes on to its answer.
         self.max_calls = max_round_trips if max_calls is None else min(max_calls, max_round_trips)
+        self.keepalive_seconds = keepalive_seconds
         self.round_trips = 0
         self.executions = 0
         self.paused: Paused | None = None
@@ -136,7 +140,14 @@ class ToolLoop:
                 self.round_trips += 1
             while True:
                 turn = None
-                async for item in adapter.upstream_turn():
+                # The first turn says nothing until the upstream answers: its
+                # refusal (a 429, a 529) is still the response's status. A later
+                # one waits on a model that may think for minutes, in a stream
+                # that has begun: a proxy cuts one silent for its read timeout.
+                turns = adapter.upstream_turn()
+                if (self.round_trips or resume is not None) and adapter.keepalive() is not None:
+                    turns = self._kept_alive(turns)
+                async for item in turns:
                     if isinstance(item, Turn):
                         turn = item
                     else:
@@ -179,6 +190,49 @@ class ToolLoop:
                 # The client went away mid-call: the run must not outlive the request.
                 await asyncio.shield(self._cancel(self._active))
 
+    async def _kept_alive(self, items: AsyncIterator[object]) -> AsyncIterator[object]:
+        """``items``, with a keep-alive each ``keepalive_seconds`` none comes. The
+        upstream turn runs whole in a task of its own (its HTTP stream is opened
+        and closed there), handing its items over a queue."""
+        handed: asyncio.Queue = asyncio.Queue(maxsize=64)
+
+        async def produce() -> None:
+            try:
+                async for item in items:
+                    await handed.put((item, None))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - raised again where it is read
+                await handed.put((_END, exc))
+                return
+            await handed.put((_END, None))
+
+        producer = asyncio.ensure_future(produce())
+        getter: asyncio.Future | None = None
+        try:
+            while True:
+                if getter is None:
+                    getter = asyncio.ensure_future(handed.get())
+                done, _ = await asyncio.wait([getter], timeout=self.keepalive_seconds)
+                if not done:
+                    ping = self.adapter.keepalive()
+                    if ping is not None:
+                        yield ping
+                    continue
+                item, error = getter.result()
+                getter = None
+                if item is _END:
+                    if error is not None:
+                        raise error
+                    return
+                yield item
+        finally:
+            for task in (getter, producer):
+                if task is not None and not task.done():
+                    task.cancel()
+            # The upstream call is dropped before the loop goes on (or away).
+            await asyncio.gather(producer, return_exceptions=True)
+
     async def _cancel(self, run: Run) -> None:
         try:
             await self.runs.cancel(self.tenant, run.id)
@@ -204,7 +258,7 @@ class ToolLoop:
         settled = asyncio.ensure_future(_until_settled(run))
         try:
             while True:
-                done, _ = await asyncio.wait([settled], timeout=KEEPALIVE_SECONDS)
+                done, _ = await asyncio.wait([settled], timeout=self.keepalive_seconds)
                 if done:
                     break
                 ping = self.adapter.keepalive()

@@ -166,7 +166,7 @@ class Gateway:
         adapter = anthropic.AnthropicAdapter(request, upstream, container, history, headers, expiry)
         model = ModelAccess("anthropic", _model_of(request.body), user if isinstance(user, str) else None)
         return adapter, ToolLoop(adapter, self.runs, tenant, self.settings.gateway_max_round_trips,
-                                 model)
+                                 model, keepalive_seconds=self.settings.stream_ping_seconds)
 
 
     # -- /v1/responses -------------------------------------------------------------------------
@@ -282,7 +282,8 @@ class Gateway:
         loop = ToolLoop(adapter, self.runs, tenant, self.settings.gateway_max_round_trips,
                         ModelAccess("openai", _model_of(request.body),
                                     user if isinstance(user, str) else None),
-                        max_calls=request.body.get("max_tool_calls"))
+                        max_calls=request.body.get("max_tool_calls"),
+                        keepalive_seconds=self.settings.stream_ping_seconds)
         return ResponsesSession(self, tenant, request, adapter, loop, resume)
 
     async def _resume(self, pending: _PausedResponse, answers: list[dict]) -> Paused | None:

@@ -123,6 +123,30 @@ def test_streaming_matches_anthropic_event_order(anthropic_client, upstream):
     assert final.content[1].input == {"command": "echo streamed"}
 
 
+def test_a_stream_keeps_alive_while_a_later_turn_waits_on_the_model(gateway_factory, upstream):
+    """Once its code had run, a stream said nothing while the model thought over
+    the result (its pings were dropped): a proxy cuts a stream that is silent
+    for its read timeout (nginx's is 60 s), and reasoning models think longer."""
+    from httpx_sse import EventSource
+
+    server = gateway_factory(stream_ping_seconds=0.2)
+    upstream.script(anthropic_turn(bash("echo hi")),
+                    anthropic_turn(text("Thought it over."), delay=0.6))
+    body = {"model": "claude-test", "max_tokens": 64, "tools": [TOOL], "stream": True,
+            "messages": [{"role": "user", "content": "go"}]}
+    headers = {"x-api-key": CLIENT_TOKEN, "anthropic-version": "2023-06-01"}
+    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, headers=headers,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        events = [(sse.event, sse.json()) for sse in EventSource(response).iter_sse()]
+    starts = [i for i, (name, data) in enumerate(events) if name == "content_block_start"]
+    kinds = [events[i][1]["content_block"]["type"] for i in starts]
+    assert kinds == ["server_tool_use", "bash_code_execution_tool_result", "text"], kinds
+    thinking = [name for name, _ in events[starts[1]:starts[2]]]
+    assert thinking.count("ping") >= 2, thinking
+    assert events[-1][0] == "message_stop"
+
+
 def test_a_quota_met_mid_stream_is_named_in_the_stream(gateway_factory, upstream):
     # The tenant's one live slot is held by a session: the loop's first run, after
     # the stream began, is refused, and the stream says so in Anthropic's terms.

@@ -413,6 +413,27 @@ def test_a_huge_output_is_whole_for_the_client_and_bounded_for_the_model(upstrea
     assert "characters omitted" in caronte_result(upstream, 3)["stdout"]
 
 
+def test_a_stream_keeps_alive_while_a_later_turn_waits_on_the_model(gateway_factory, upstream):
+    """Once its code had run, a stream said nothing while the model thought over
+    the result: a proxy cuts a stream that is silent for its read timeout."""
+    import httpx
+
+    server = gateway_factory(stream_ping_seconds=0.2)
+    upstream.script(openai_turn(function_call("code_interpreter", {"code": "print(1)"})),
+                    openai_turn(message("Thought it over."), delay=0.6))
+    body = {"model": MODEL, "input": "go", "tools": [CI_AUTO], "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {CLIENT_TOKEN}"}) as response:
+        assert response.status_code == 200
+        lines = list(response.iter_lines())
+    ran = next(i for i, line in enumerate(lines)
+               if line == "event: response.code_interpreter_call.completed")
+    answered = next(i for i, line in enumerate(lines) if line == "event: response.output_text.delta")
+    assert ran < answered
+    assert lines[ran:answered].count(": keep-alive") >= 2, lines[ran:answered]
+    assert "event: response.completed" in lines
+
+
 def test_last_expression_value_is_logged(upstream, openai_client):
     upstream.script(openai_turn(function_call("code_interpreter", {"code": "value = 6 * 7\nvalue"})),
                     then_say(lambda out: f"saw {out.strip()}"))
