@@ -53,6 +53,15 @@ class Settings(BaseSettings):
                          "whose slots it reserves for what it holds (shoal.cluster.slots).")
     ray_address: str = Field("", description="Set by the cluster on a sandbox host: the Ray "
                              "cluster (its GCS address) that node is part of.")
+    host_idle_seconds: float = Field(660.0, gt=0, description="A cluster front end: how long "
+                                     "it waits on a sandbox host that sends nothing, for its "
+                                     "answer to begin and between the parts of a streamed one; "
+                                     "then the call is a 504 (or its stream is cut) and the "
+                                     "connection to that host closed. Longer than anything a "
+                                     "host takes in silence: an exec at max_timeout_seconds "
+                                     "(300), a model's answer in a gateway turn (the SDKs wait "
+                                     "600 s); streams send a keep-alive every "
+                                     "stream_ping_seconds.")
     tokens: str = Field("", description="Bearer tokens: 'tok1=tenant-a,tok2=tenant-b', "
                                         "or '@/path/file' with one 'token=tenant' per line. "
                                         "Empty: no authentication.")

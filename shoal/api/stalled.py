@@ -34,7 +34,13 @@ _cut_here: contextvars.ContextVar[bool] = contextvars.ContextVar("shoal_response
 _UNCOMPLETED = "ASGI callable returned without completing response."
 
 
-class ResponseStalled(Exception):
+class ResponseCut(Exception):
+    """Raised from a response that has begun, to end it broken: its connection is
+    closed, so its client sees it incomplete rather than whole. Whoever raises
+    it logs why."""
+
+
+class ResponseStalled(ResponseCut):
     """The client took no part of a send for the allowed time."""
 
 
@@ -89,6 +95,8 @@ class StalledResponses:
             _cut_here.set(True)
             log.warning("cut a response: its client took none of it for %gs", self.seconds,
                         extra={"method": scope.get("method"), "path": scope.get("path")})
+        except* ResponseCut:
+            _cut_here.set(True)
 
     def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None

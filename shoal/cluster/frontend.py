@@ -26,6 +26,7 @@ import json
 import logging
 import re
 from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 import httpx
 from starlette.applications import Starlette
@@ -38,8 +39,8 @@ from starlette.routing import Route
 from shoal import __version__
 from shoal.api.auth import OPEN_TENANT, TokenTable, operator_tokens_of, bearer_token
 from shoal.api.body_limits import BodyLimits, Budget
-from shoal.api.stalled import StalledResponses
-from shoal.streaming import StreamingBody, relayed
+from shoal.api.stalled import ResponseCut, StalledResponses
+from shoal.streaming import StreamingBody
 from shoal.api.errors import PLACEMENT_HEADER, error_response
 from shoal.api.observability import ALIAS_PREFIX
 from shoal.config import MiB, Settings, read_secret
@@ -97,8 +98,12 @@ class FrontEnd:
         operators = operator_tokens_of(settings.operator_tokens)
         self.membership = Membership(settings.cluster, operators[0] if operators else None)
         self.metadata = open_metadata(settings.data_dir, read_secret(settings.database_url))
+        # read bounds each wait on a host for bytes (for its answer to begin, and
+        # between the parts of a streamed one): a host that holds the
+        # connection and sends nothing (stopped, wedged) held its client for ever.
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=30.0),
+            timeout=httpx.Timeout(connect=5.0, read=settings.host_idle_seconds, write=60.0,
+                                  pool=30.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
             follow_redirects=False, trust_env=False)
 
@@ -216,6 +221,17 @@ class FrontEnd:
         for attempt in range(_ATTEMPTS):
             try:
                 upstream = await self._send(host, request, body, probe)
+            except httpx.ReadTimeout:
+                # The host took the request and sent nothing for host_idle_seconds
+                # (stopped, wedged): httpx closed that connection, so its late
+                # answer never reaches another call. It may yet run the call.
+                if probe is not None:
+                    self.membership.handed_over(probe, adopted=False)
+                log.warning("sandbox host %s sent nothing for %gs: the call is a 504",
+                            host.key, self.settings.host_idle_seconds,
+                            extra={"method": request.method, "path": request.url.path})
+                return error_response(request, 504, "the sandbox host did not answer in time; "
+                                      "retry", headers={"Retry-After": "1"})
             except httpx.TransportError as exc:
                 placed, probe = probe, None
                 if placed is not None:
@@ -246,7 +262,7 @@ class FrontEnd:
             holder = upstream.headers.get(PLACEMENT_HEADER)
             if upstream.status_code != 421 or holder is None:
                 return StreamingBody(
-                    relayed(upstream), status_code=upstream.status_code,
+                    _relayed(upstream, host), status_code=upstream.status_code,
                     headers={k: v for k, v in upstream.headers.items()
                              if k.lower() not in _HOP and k.lower() != PROBE_HEADER})
             await upstream.aclose()
@@ -277,6 +293,24 @@ class FrontEnd:
         url = httpx.URL(host.url).copy_with(raw_path=raw + (b"?" + query if query else b""))
         outgoing = self.client.build_request(request.method, url, headers=headers, content=body)
         return await self.client.send(outgoing, stream=True)
+
+
+class HostStoppedSending(ResponseCut):
+    """A host's streamed answer broke off, or went silent for host_idle_seconds."""
+
+
+async def _relayed(upstream: httpx.Response, host: Host) -> AsyncIterator[bytes]:
+    """The host's answer as it arrives. If the host stops mid-answer, the
+    client's response is cut (its connection closed), never ended as if whole."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.TransportError as exc:
+        log.warning("sandbox host %s stopped sending mid-answer (%s): its client's response "
+                    "is cut", host.key, type(exc).__name__)
+        raise HostStoppedSending() from exc
+    finally:
+        await upstream.aclose()
 
 
 def create_front_end(settings: Settings) -> Starlette:

@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import os
+import signal
+import time
 
 import asyncpg
 import pytest
 
+from shoal.cluster.host import key_length
 from tests.serving import start_server
 
 pytestmark = pytest.mark.cluster
@@ -141,3 +146,142 @@ def test_a_database_that_cannot_answer_is_a_503_then_serves_again(tmp_path):
             server.stop()
     finally:
         database.stop()
+
+
+# -- the relay: a cluster front end between real clients and a real host --------------------
+# One node, one front end, an upstream model the node's gateway calls. The
+# front end waits RELAY_IDLE seconds on a host that sends nothing (its
+# host_idle_seconds): short here, so a hung host is seen quickly.
+RELAY_IDLE = 10
+
+
+@pytest.fixture(scope="module")
+def relay(postgres, seaweedfs, tmp_path_factory):
+    import types
+
+    import httpx
+
+    from tests.gateway.scripted_upstream import ScriptedUpstream
+
+    from .conftest import RayCluster
+
+    tmp_path = tmp_path_factory.mktemp("relay")
+    database_url = postgres.new_database()
+    bucket = seaweedfs.new_bucket()
+    with ScriptedUpstream() as upstream:
+        ray = RayCluster(1, database_url, seaweedfs, bucket, uid_base=984_000, settings={
+            "SHOAL_UPSTREAM_ANTHROPIC_URL": upstream.url,
+            "SHOAL_UPSTREAM_ANTHROPIC_KEY": "operator-upstream-key"})
+        front = None
+        try:
+            secret = tmp_path / "front.secret"
+            secret.write_text(seaweedfs.secret_key)
+            front = start_server(tmp_path / "front", uid_base=986_000, cluster=ray.address,
+                                 database_url=database_url, object_store=f"s3://{bucket}/shoal",
+                                 object_store_endpoint=seaweedfs.endpoint,
+                                 object_store_access_key=seaweedfs.ACCESS_KEY,
+                                 object_store_secret_key=f"@{secret}",
+                                 host_idle_seconds=RELAY_IDLE)
+            deadline = time.monotonic() + 180
+            while httpx.get(f"{front.url}/health").json()["ready"] < 1:
+                assert time.monotonic() < deadline, front.log()
+                time.sleep(0.5)
+            with front.client() as http:
+                made = http.post("/sessions", json={})
+                assert made.status_code == 201, made.text
+                key = made.json()["session_id"][:key_length()]
+                assert http.delete(f"/sessions/{made.json()['session_id']}").status_code == 204
+            yield types.SimpleNamespace(front=front, ray=ray, upstream=upstream, key=key,
+                                        server=lambda: ray.host_server(key))
+        finally:
+            if front is not None:
+                front.stop()
+            ray.stop()
+
+
+@contextlib.contextmanager
+def _stopped(relay):
+    """The host's server SIGSTOPped: it holds its connections and answers
+    nothing. Then it goes on, and the front end counts it ready again."""
+    import httpx
+
+    pid = relay.server()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{relay.front.url}/health", timeout=10).json()["ready"] < 1:
+            assert time.monotonic() < deadline, "the host is not ready again"
+            time.sleep(0.2)
+
+
+def _exec(session_id: str, code: str) -> dict:
+    return {"tool": "code_execution", "input": {"code": code}}
+
+
+def test_a_host_that_stops_answering_is_a_504_after_the_idle_bound(relay):
+    """A host that holds its connections but answers nothing (stopped, wedged)
+    held each client for ever. Now the front end waits host_idle_seconds, then
+    answers 504 with Retry-After in the route's own shape, and closes its
+    connection to that host: the host's late answer never reaches the next
+    call."""
+    import httpx
+
+    with httpx.Client(base_url=relay.front.url, timeout=60) as http:
+        session = http.post("/sessions", json={}).json()["session_id"]
+        try:
+            assert http.post(f"/sessions/{session}/exec",
+                             json=_exec(session, "n = 1")).status_code == 200
+
+            def timed(method: str, path: str, **kwargs) -> tuple[float, httpx.Response]:
+                started = time.monotonic()
+                with httpx.Client(base_url=relay.front.url, timeout=60) as own:
+                    answer = own.request(method, path, **kwargs)
+                return time.monotonic() - started, answer
+
+            with _stopped(relay):
+                with concurrent.futures.ThreadPoolExecutor(2) as workers:
+                    protocol = workers.submit(timed, "POST", f"/sessions/{session}/exec",
+                                              json=_exec(session, "n += 1; print('late')"))
+                    openai = workers.submit(timed, "GET",
+                                            f"/v1/code-execution/runs/cexrun_{relay.key}x")
+                    (waited, answer), (waited_too, run) = protocol.result(), openai.result()
+            for took, got, shape in ((waited, answer, "detail"), (waited_too, run, "error")):
+                assert got.status_code == 504, (got.status_code, got.text)
+                assert got.headers["retry-after"] and shape in got.json(), got.text
+                assert RELAY_IDLE - 1 <= took <= RELAY_IDLE + 8, took
+            # The host resumed: the next call is answered with its own result.
+            answer = http.post(f"/sessions/{session}/exec", json=_exec(session, "print('own')"))
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["result_block"]["content"]["stdout"] == "own\n", answer.text
+        finally:
+            http.delete(f"/sessions/{session}")
+
+
+def test_a_stream_whose_host_goes_silent_is_cut_after_the_idle_bound(relay):
+    """A streamed answer whose host stops sending (no output, no keep-alive):
+    the client's stream is cut after host_idle_seconds, as a broken stream
+    (never a clean end a client would take for the whole answer)."""
+    import httpx
+    from httpx_sse import connect_sse
+
+    with httpx.Client(base_url=relay.front.url, timeout=60) as http:
+        session = http.post("/sessions", json={}).json()["session_id"]
+        try:
+            code = "import time\nprint('a', flush=True)\ntime.sleep(60)\nprint('b')"
+            with connect_sse(http, "POST", f"/sessions/{session}/exec",
+                             json=_exec(session, code)) as events:
+                stream = events.iter_sse()
+                while "output" not in next(stream).event:
+                    pass
+                with _stopped(relay):
+                    started = time.monotonic()
+                    with pytest.raises(httpx.RemoteProtocolError):
+                        for sse in stream:
+                            assert sse.event not in ("result", "done"), sse.data
+                    took = time.monotonic() - started
+            assert took <= RELAY_IDLE + 8, took
+        finally:
+            http.delete(f"/sessions/{session}")
