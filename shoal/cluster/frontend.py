@@ -56,13 +56,33 @@ _SESSION = re.compile(r"^/sessions/([^/]+)")
 _RUN = re.compile(r"^/v1/code-execution/runs/cexrun_([^/]+)")
 _CONTAINER_PATHS = (re.compile(r"^/v1/containers/([^/]+)"),
                     re.compile(r"^/api/v1/app/thread/([^/]+)"))
-# Hop-by-hop headers (RFC 9110 7.6.1), and what the proxy recomputes.
-_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-        "trailer", "transfer-encoding", "upgrade", "host", "content-length"}
+# Hop-by-hop fields (RFC 9110 7.6.1, and Keep-Alive and Proxy-Connection that
+# HTTP/1.0 clients still send): they describe one connection, so they stop here
+# either way, as does any field a Connection field names.
+_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+                  b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade"})
+# httpx writes the host's Host and the Content-Length of the body it sends; only
+# the front end places (a client's own probe header goes nowhere).
+_NOT_SENT = (b"host", b"content-length", PROBE_HEADER.encode())
+# The front end's own server stamps Date and Server: the host's would repeat
+# them (a second Date is invalid). The host's Content-Length is kept: a
+# download's length, and a HEAD's.
+_NOT_RELAYED = (b"date", b"server", PROBE_HEADER.encode())
 _ATTEMPTS = 3
 # What starts a sandbox with no container named (a gateway's turn may run
 # code): placed by Ray, where everything else goes to any host.
 _NEW_SANDBOX = {"/sessions", "/v1/code-execution/runs", "/v1/messages", "/v1/responses"}
+
+
+def end_to_end(raw: list[tuple[bytes, bytes]],
+               dropped: tuple[bytes, ...] = ()) -> list[tuple[bytes, bytes]]:
+    """The fields of ``raw`` to pass on, each as it came and in its order: a
+    repeated one stays repeated (Set-Cookie cannot be joined into one line)."""
+    named = {token.strip().lower() for name, value in raw if name.lower() == b"connection"
+             for token in value.split(b",")}
+    return [(name, value) for name, value in raw
+            if (lower := name.lower()) not in _HOP and lower not in named
+            and lower not in dropped]
 
 
 def _named_container(body: dict) -> str | None:
@@ -261,10 +281,10 @@ class FrontEnd:
                 probe = None
             holder = upstream.headers.get(PLACEMENT_HEADER)
             if upstream.status_code != 421 or holder is None:
-                return StreamingBody(
-                    _relayed(upstream, host), status_code=upstream.status_code,
-                    headers={k: v for k, v in upstream.headers.items()
-                             if k.lower() not in _HOP and k.lower() != PROBE_HEADER})
+                response = StreamingBody(_relayed(upstream, host),
+                                         status_code=upstream.status_code)
+                response.raw_headers = end_to_end(upstream.headers.raw, _NOT_RELAYED)
+                return response
             await upstream.aclose()
             tenant = self._tenant(request)
             container_id = self._container_of(request, body)
@@ -282,9 +302,7 @@ class FrontEnd:
 
     async def _send(self, host: Host, request: Request, body: bytes,
                     probe: Probe | None) -> httpx.Response:
-        # A client's own Shoal-Slot-Probe is never passed on: only the front end places.
-        headers = [(k, v) for k, v in request.headers.raw
-                   if k.decode().lower() not in _HOP and k.decode().lower() != PROBE_HEADER]
+        headers = end_to_end(request.headers.raw, _NOT_SENT)
         if probe is not None:
             headers.append((PROBE_HEADER.encode(), probe.name.encode()))
         # The path as the client sent it (still percent-encoded), and its query as is.

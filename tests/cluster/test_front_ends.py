@@ -285,3 +285,47 @@ def test_a_stream_whose_host_goes_silent_is_cut_after_the_idle_bound(relay):
             assert took <= RELAY_IDLE + 8, took
         finally:
             http.delete(f"/sessions/{session}")
+
+
+def test_hop_by_hop_headers_stop_at_the_front_end_and_lengths_pass(relay):
+    """A header the client's Connection names is for the front end only (RFC
+    9110 7.6.1): it reached the host, which took the client's X-Request-Id
+    so named as its own. The front end's server stamps Date and Server: the
+    host's came too, each twice. The host's Content-Length was dropped: every
+    answer came chunked, and a HEAD said nothing of the length."""
+    with relay.front.client() as http:
+        kept = http.get("/v1/containers", headers={"X-Request-Id": "client-chosen-1"})
+        assert kept.headers["x-request-id"] == "client-chosen-1", kept.headers
+        hop = http.get("/v1/containers", headers={
+            "Connection": "keep-alive, X-Request-Id", "X-Request-Id": "client-chosen-2",
+            "Keep-Alive": "timeout=5", "TE": "trailers", "Proxy-Connection": "keep-alive"})
+        assert hop.status_code == 200, hop.text
+        assert hop.headers["x-request-id"] not in ("client-chosen-2", ""), hop.headers
+        for name in ("date", "server"):
+            assert len(hop.headers.get_list(name)) == 1, hop.headers.raw
+        assert hop.headers.get("content-length") == str(len(hop.content)), hop.headers.raw
+        assert "transfer-encoding" not in hop.headers, hop.headers.raw
+        got, head = http.get("/no-such-route"), http.head("/no-such-route")
+        assert got.status_code == head.status_code == 404
+        assert head.headers.get("content-length") == str(len(got.content)), head.headers.raw
+
+
+def test_relayed_headers_keep_repeated_fields_and_drop_hop_by_hop_ones():
+    """Either way through the relay: a field sent several times stays several
+    fields (Set-Cookie cannot be joined with commas), in order; a hop-by-hop
+    field, or one the Connection field names, goes no further."""
+    import httpx
+
+    from shoal.cluster.frontend import end_to_end
+
+    raw = httpx.Headers([
+        ("Set-Cookie", "a=1; Path=/"), ("Connection", "close, X-Hop"), ("Link", "<a>; rel=next"),
+        ("Set-Cookie", "b=2, with a comma"), ("Vary", "Accept"), ("Vary", "Origin"),
+        ("X-Hop", "1"), ("Keep-Alive", "timeout=5"), ("Transfer-Encoding", "chunked"),
+        ("TE", "trailers"), ("Trailer", "X-T"), ("Upgrade", "h2c"),
+        ("Proxy-Connection", "keep-alive"), ("Connection", "x-other"), ("X-Other", "2"),
+        ("Link", "<b>; rel=prev"), ("Content-Length", "12")]).raw
+    assert end_to_end(raw, dropped=(b"date",)) == [
+        (b"Set-Cookie", b"a=1; Path=/"), (b"Link", b"<a>; rel=next"),
+        (b"Set-Cookie", b"b=2, with a comma"), (b"Vary", b"Accept"), (b"Vary", b"Origin"),
+        (b"Link", b"<b>; rel=prev"), (b"Content-Length", b"12")]
