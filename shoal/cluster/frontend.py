@@ -32,13 +32,14 @@ import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from shoal import __version__
 from shoal.api.auth import OPEN_TENANT, TokenTable, operator_tokens_of, bearer_token
 from shoal.api.body_limits import BodyLimits, Budget
+from shoal.api._gateway import unless_gone
 from shoal.api.stalled import ResponseCut, StalledResponses
 from shoal.streaming import StreamingBody
 from shoal.api.errors import PLACEMENT_HEADER, error_response
@@ -228,6 +229,14 @@ class FrontEnd:
     # -- forwarding ---------------------------------------------------------------------
     async def handle(self, request: Request) -> Response:
         try:
+            return await self._handle(request)
+        except ClientDisconnect:
+            # No one reads this answer; what matters is that the call was let go
+            # (its connection to the host closed, so the host ends it too).
+            return Response(status_code=499)
+
+    async def _handle(self, request: Request) -> Response:
+        try:
             body = await request.body()  # bounded by BodyLimits, as on a host
         except HTTPException as exc:
             return error_response(request, exc.status_code, exc.detail)
@@ -240,7 +249,10 @@ class FrontEnd:
         host, probe = target
         for attempt in range(_ATTEMPTS):
             try:
-                upstream = await self._send(host, request, body, probe)
+                # A client that hangs up before its answer begins: the front end
+                # went on waiting, so the host never saw it leave and ran its call
+                # (a model turn, its upstream connection held) to the end.
+                upstream = await unless_gone(request, self._send(host, request, body, probe))
             except httpx.ReadTimeout:
                 # The host took the request and sent nothing for host_idle_seconds
                 # (stopped, wedged): httpx closed that connection, so its late

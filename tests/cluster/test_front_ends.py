@@ -329,3 +329,22 @@ def test_relayed_headers_keep_repeated_fields_and_drop_hop_by_hop_ones():
         (b"Set-Cookie", b"a=1; Path=/"), (b"Link", b"<a>; rel=next"),
         (b"Set-Cookie", b"b=2, with a comma"), (b"Vary", b"Accept"), (b"Vary", b"Origin"),
         (b"Link", b"<b>; rel=prev"), (b"Content-Length", b"12")]
+
+
+def test_a_client_that_hangs_up_ends_its_call_on_the_host(relay):
+    """A client gone before its answer began: the front end went on waiting on
+    the host, so the host never saw it leave and went on with the call (here a
+    model turn, its upstream connection held) until it ended."""
+    import httpx
+
+    from tests.gateway.scripted_upstream import anthropic_turn, text
+
+    relay.upstream.reset()
+    relay.upstream.script(anthropic_turn(text("never sent"), hang_after=0))
+    with httpx.Client(base_url=relay.front.url, timeout=3) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": [
+                {"role": "user", "content": "hi"}]})
+    assert len(relay.upstream.requests) == 1
+    # Well before the front end's own bound on the host (RELAY_IDLE) would end it.
+    assert relay.upstream.requests[0].disconnected.wait(RELAY_IDLE - 3 - 2)
