@@ -86,6 +86,35 @@ def end_to_end(raw: list[tuple[bytes, bytes]],
             and lower not in dropped]
 
 
+class _Body:
+    """A request's body as it arrived, kept to be sent again (a host's 421) and
+    sent on in those same chunks. Joined, it was held twice at once (the chunks
+    and the whole), and the whole copied again into the socket's buffer on its
+    way to the host: request_buffer_mib bounds it once."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+        self.length = sum(map(len, chunks))
+        self._parsed: object = ...
+
+    def __bool__(self) -> bool:
+        return self.length > 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+
+    def parsed(self) -> object:
+        """The body as JSON (None if it is not), parsed once: it is asked again
+        on every resend."""
+        if self._parsed is ...:
+            try:
+                self._parsed = json.loads(b"".join(self.chunks))
+            except ValueError:
+                self._parsed = None
+        return self._parsed
+
+
 def _named_container(body: dict) -> str | None:
     """The container a JSON body names: a run's or a session's ``container``,
     Anthropic's ``container`` (an id, or an object with one), or an OpenAI code
@@ -150,7 +179,7 @@ class FrontEnd:
         path = request.url.path
         return path[len(ALIAS_PREFIX):] if path.startswith(ALIAS_PREFIX + "/") else path
 
-    def _container_of(self, request: Request, body: bytes) -> str | None:
+    def _container_of(self, request: Request, body: _Body) -> str | None:
         path = self._path(request)
         for pattern in _CONTAINER_PATHS:
             match = pattern.match(path)
@@ -159,10 +188,7 @@ class FrontEnd:
         if request.query_params.get("scope_id"):
             return request.query_params["scope_id"]
         if body and _json_body(request.headers.get("content-type", "")):
-            try:
-                parsed = json.loads(body)
-            except ValueError:
-                return None
+            parsed = body.parsed()
             if isinstance(parsed, dict):
                 return _named_container(parsed)
         return None
@@ -199,7 +225,7 @@ class FrontEnd:
         return chosen, probe
 
     async def _target(self, request: Request,
-                      body: bytes) -> tuple[Host, Probe | None] | Response:
+                      body: _Body) -> tuple[Host, Probe | None] | Response:
         path = self._path(request)
         match = _SESSION.match(path)
         if match and path != "/sessions":
@@ -237,7 +263,8 @@ class FrontEnd:
 
     async def _handle(self, request: Request) -> Response:
         try:
-            body = await request.body()  # bounded by BodyLimits, as on a host
+            # Bounded by BodyLimits, as on a host.
+            body = _Body([chunk async for chunk in request.stream() if chunk])
         except HTTPException as exc:
             return error_response(request, exc.status_code, exc.detail)
         try:
@@ -312,7 +339,7 @@ class FrontEnd:
         return error_response(request, 503, "no sandbox host took the request (hosts stopping, "
                               "or the container's placement kept moving); retry")
 
-    async def _send(self, host: Host, request: Request, body: bytes,
+    async def _send(self, host: Host, request: Request, body: _Body,
                     probe: Probe | None) -> httpx.Response:
         headers = end_to_end(request.headers.raw, _NOT_SENT)
         if probe is not None:
@@ -321,7 +348,10 @@ class FrontEnd:
         raw = request.scope.get("raw_path") or request.url.path.encode()
         query = request.scope.get("query_string") or b""
         url = httpx.URL(host.url).copy_with(raw_path=raw + (b"?" + query if query else b""))
-        outgoing = self.client.build_request(request.method, url, headers=headers, content=body)
+        if body:
+            headers.append((b"content-length", str(body.length).encode()))
+        outgoing = self.client.build_request(request.method, url, headers=headers,
+                                             content=body if body else None)
         return await self.client.send(outgoing, stream=True)
 
 

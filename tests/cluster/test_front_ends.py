@@ -348,3 +348,38 @@ def test_a_client_that_hangs_up_ends_its_call_on_the_host(relay):
     assert len(relay.upstream.requests) == 1
     # Well before the front end's own bound on the host (RELAY_IDLE) would end it.
     assert relay.upstream.requests[0].disconnected.wait(RELAY_IDLE - 3 - 2)
+
+
+def _memory(pid: int, field: str) -> int:
+    """A /proc/<pid>/status figure (VmRSS, VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def test_an_upload_is_held_once_on_the_front_end(relay):
+    """The front end keeps a body to resend it (a host's 421), its size bounded
+    by request_buffer_mib. It held it three times over at its peak: the chunks
+    as they came, joined into one piece, and that piece copied whole into the
+    socket's buffer on its way to the host."""
+    import httpx
+
+    size = 48 << 20
+    piece = os.urandom(1 << 20)
+
+    def body():
+        for _ in range(size // len(piece)):
+            yield piece
+
+    pid = relay.front.process.pid
+    with httpx.Client(base_url=relay.front.url, timeout=60) as http:
+        warm = http.put("/api/v1/app/thread/upload/put-file/small.bin", content=piece)
+        assert warm.status_code == 201, warm.text
+        with open(f"/proc/{pid}/clear_refs", "w") as clear:
+            clear.write("5")  # the peak (VmHWM) starts again from what it holds now
+        before = _memory(pid, "VmHWM")
+        put = http.put("/api/v1/app/thread/upload/put-file/big.bin", content=body())
+        assert put.status_code == 201, put.text
+        assert put.json()["size_bytes"] == size, put.text
+    grew = _memory(pid, "VmHWM") - before
+    assert grew < 1.5 * size, f"the front end's peak grew by {grew >> 20} MiB"
