@@ -62,9 +62,11 @@ _CONTAINER_PATHS = (re.compile(r"^/v1/containers/([^/]+)"),
 # either way, as does any field a Connection field names.
 _HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
                   b"proxy-authorization", b"te", b"trailer", b"transfer-encoding", b"upgrade"})
-# httpx writes the host's Host and the Content-Length of the body it sends; only
-# the front end places (a client's own probe header goes nowhere).
-_NOT_SENT = (b"host", b"content-length", PROBE_HEADER.encode())
+# httpx writes the Content-Length of the body it sends; only the front end
+# places (a client's own probe header goes nowhere). The client's Host goes on:
+# a host makes absolute URLs (a redirect's Location) from it, and with its own
+# address there it sent clients past the front end.
+_NOT_SENT = (b"content-length", PROBE_HEADER.encode())
 # The front end's own server stamps Date and Server: the host's would repeat
 # them (a second Date is invalid). The host's Content-Length is kept: a
 # download's length, and a HEAD's.

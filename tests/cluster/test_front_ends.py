@@ -383,3 +383,17 @@ def test_an_upload_is_held_once_on_the_front_end(relay):
         assert put.json()["size_bytes"] == size, put.text
     grew = _memory(pid, "VmHWM") - before
     assert grew < 1.5 * size, f"the front end's peak grew by {grew >> 20} MiB"
+
+
+def test_a_hosts_redirect_names_the_front_end(relay):
+    """A host makes absolute URLs (a redirect's Location, here to the path
+    without its trailing slash) from the Host the request names. The front end
+    named the host's own address, so a client was sent past the front end to
+    an address that may not be reachable from where it is."""
+    import httpx
+
+    with httpx.Client(base_url=relay.front.url, timeout=30) as http:
+        moved = http.get("/v1/containers/", params={"limit": 1})
+        assert moved.status_code == 307, moved.text
+        assert moved.headers["location"] == f"{relay.front.url}/v1/containers?limit=1"
+        assert http.get(moved.headers["location"]).status_code == 200
