@@ -276,6 +276,9 @@ class FrontEnd:
         if isinstance(target, Response):
             return target
         host, probe = target
+        if self.membership.unresponsive(host):  # never one placed anew: place() skips it
+            # Each call to it waited host_idle_seconds for its 504.
+            return error_response(request, 503, "the sandbox host is not answering; retry")
         for attempt in range(_ATTEMPTS):
             try:
                 # A client that hangs up before its answer begins: the front end

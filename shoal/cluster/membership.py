@@ -93,6 +93,13 @@ class Membership:
     def alive(self, key: str) -> Host | None:
         return self.hosts.get(key)
 
+    @staticmethod
+    def unresponsive(host: Host) -> bool:
+        """Whether the host's /health went unanswered for the last few polls: it
+        holds connections and answers nothing (stopped, wedged), or it died and
+        Ray has not said so yet."""
+        return host.silent >= _SILENT_POLLS
+
     def gone(self, key: str) -> bool:
         """Whether what the host ``key`` held may move: its node left the cluster
         (Ray says so), or its server was drained. A host this front end does not

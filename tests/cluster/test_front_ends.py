@@ -397,3 +397,27 @@ def test_a_hosts_redirect_names_the_front_end(relay):
         assert moved.status_code == 307, moved.text
         assert moved.headers["location"] == f"{relay.front.url}/v1/containers?limit=1"
         assert http.get(moved.headers["location"]).status_code == 200
+
+
+def test_a_call_to_a_host_known_to_be_silent_is_a_503_at_once(relay):
+    """Once the front end's polls have found a host silent (its /health
+    unanswered three times in a row), a new call to it is a 503 with
+    Retry-After at once: each waited the whole host_idle_seconds (eleven
+    minutes by default) for the 504."""
+    import httpx
+
+    with httpx.Client(base_url=relay.front.url, timeout=60) as http:
+        session = http.post("/sessions", json={}).json()["session_id"]
+        try:
+            with _stopped(relay):
+                time.sleep(25)  # three polls of 5 s each, and the refreshes between
+                started = time.monotonic()
+                answer = http.post(f"/sessions/{session}/exec", json=_exec(session, "1"))
+                took = time.monotonic() - started
+            assert answer.status_code == 503, (answer.status_code, answer.text)
+            assert answer.headers["retry-after"] and answer.json()["detail"], answer.text
+            assert took < 3, took
+            again = http.post(f"/sessions/{session}/exec", json=_exec(session, "print(2)"))
+            assert again.status_code == 200, again.text
+        finally:
+            http.delete(f"/sessions/{session}")
