@@ -217,7 +217,7 @@ def _stopped(relay):
             time.sleep(0.2)
 
 
-def _exec(session_id: str, code: str) -> dict:
+def _code(code: str) -> dict:
     return {"tool": "code_execution", "input": {"code": code}}
 
 
@@ -233,7 +233,7 @@ def test_a_host_that_stops_answering_is_a_504_after_the_idle_bound(relay):
         session = http.post("/sessions", json={}).json()["session_id"]
         try:
             assert http.post(f"/sessions/{session}/exec",
-                             json=_exec(session, "n = 1")).status_code == 200
+                             json=_code("n = 1")).status_code == 200
 
             def timed(method: str, path: str, **kwargs) -> tuple[float, httpx.Response]:
                 started = time.monotonic()
@@ -244,7 +244,7 @@ def test_a_host_that_stops_answering_is_a_504_after_the_idle_bound(relay):
             with _stopped(relay):
                 with concurrent.futures.ThreadPoolExecutor(2) as workers:
                     protocol = workers.submit(timed, "POST", f"/sessions/{session}/exec",
-                                              json=_exec(session, "n += 1; print('late')"))
+                                              json=_code("n += 1; print('late')"))
                     openai = workers.submit(timed, "GET",
                                             f"/v1/code-execution/runs/cexrun_{relay.key}x")
                     (waited, answer), (waited_too, run) = protocol.result(), openai.result()
@@ -253,7 +253,7 @@ def test_a_host_that_stops_answering_is_a_504_after_the_idle_bound(relay):
                 assert got.headers["retry-after"] and shape in got.json(), got.text
                 assert RELAY_IDLE - 1 <= took <= RELAY_IDLE + 8, took
             # The host resumed: the next call is answered with its own result.
-            answer = http.post(f"/sessions/{session}/exec", json=_exec(session, "print('own')"))
+            answer = http.post(f"/sessions/{session}/exec", json=_code("print('own')"))
             assert answer.status_code == 200, answer.text
             assert answer.json()["result_block"]["content"]["stdout"] == "own\n", answer.text
         finally:
@@ -272,7 +272,7 @@ def test_a_stream_whose_host_goes_silent_is_cut_after_the_idle_bound(relay):
         try:
             code = "import time\nprint('a', flush=True)\ntime.sleep(60)\nprint('b')"
             with connect_sse(http, "POST", f"/sessions/{session}/exec",
-                             json=_exec(session, code)) as events:
+                             json=_code(code)) as events:
                 stream = events.iter_sse()
                 while "output" not in next(stream).event:
                     pass
@@ -412,12 +412,12 @@ def test_a_call_to_a_host_known_to_be_silent_is_a_503_at_once(relay):
             with _stopped(relay):
                 time.sleep(25)  # three polls of 5 s each, and the refreshes between
                 started = time.monotonic()
-                answer = http.post(f"/sessions/{session}/exec", json=_exec(session, "1"))
+                answer = http.post(f"/sessions/{session}/exec", json=_code("1"))
                 took = time.monotonic() - started
             assert answer.status_code == 503, (answer.status_code, answer.text)
             assert answer.headers["retry-after"] and answer.json()["detail"], answer.text
             assert took < 3, took
-            again = http.post(f"/sessions/{session}/exec", json=_exec(session, "print(2)"))
+            again = http.post(f"/sessions/{session}/exec", json=_code("print(2)"))
             assert again.status_code == 200, again.text
         finally:
             http.delete(f"/sessions/{session}")
