@@ -84,15 +84,24 @@ def open_files_shortfall(settings: Settings, limit: int) -> str | None:
     """Why ``limit`` open files cannot hold max_connections beside what the
     sandboxes need, or None: past the limit the server can neither accept nor
     start a sandbox, for anyone."""
-    sandboxes = 0 if settings.cluster else settings.max_sessions + settings.pool_size
-    others = _OWN_FDS + _FDS_PER_SANDBOX * sandboxes + settings.upstream_max_connections
+    if settings.cluster:
+        # A front end runs no sandbox and calls no model: beside each client's
+        # connection it holds one to the host relaying that client's call.
+        others = _OWN_FDS + settings.max_connections
+        held = "connections to the sandbox hosts"
+        fitting = (limit - _OWN_FDS) // 2
+    else:
+        sandboxes = settings.max_sessions + settings.pool_size
+        others = _OWN_FDS + _FDS_PER_SANDBOX * sandboxes + settings.upstream_max_connections
+        held = "sandboxes, upstream connections"
+        fitting = limit - others
     if settings.max_connections + others <= limit:
         return None
     need = (f"the open-file limit {limit} cannot hold max_connections "
-            f"({settings.max_connections}) beside the server's other {others} (sandboxes, "
-            f"upstream connections): raise it (LimitNOFILE=, ulimit -Hn)")
-    if limit - others > 1:
-        need += f" or lower max_connections to {limit - others}"
+            f"({settings.max_connections}) beside the server's other {others} ({held}): "
+            f"raise it (LimitNOFILE=, ulimit -Hn)")
+    if fitting > 1:
+        need += f" or lower max_connections to {fitting}"
     return need
 
 

@@ -156,7 +156,11 @@ class FrontEnd:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=5.0, read=settings.host_idle_seconds, write=60.0,
                                   pool=30.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            # One connection to a host per client call in flight, and a client
+            # connection carries one call at a time: with fewer (there were
+            # 1,024 for 4,096 clients) a call past them waited 30 s for a 503.
+            limits=httpx.Limits(max_connections=settings.max_connections,
+                                max_keepalive_connections=min(256, settings.max_connections)),
             follow_redirects=False, trust_env=False)
 
     async def start(self) -> None:

@@ -193,3 +193,20 @@ def test_shoal_check_says_whether_the_open_file_limit_holds_max_connections(
     else:
         assert "the open-file limit 2000 cannot hold max_connections (4096)" in line, line
         assert "lower max_connections to 880" in line, line
+
+
+def test_a_front_ends_open_file_limit_counts_a_host_connection_per_client():
+    """A cluster front end holds, beside each client's connection, the one to the
+    host relaying that client's call: it was counted as holding none (and it
+    relayed at most 1,024 calls at once, so with 4,096 clients a call past them
+    waited 30 s for a 503)."""
+    from shoal.config import Settings
+    from shoal.server import open_files_shortfall
+
+    front = Settings(cluster="127.0.0.1:6379", max_connections=4096)
+    assert open_files_shortfall(front, 8192 + 64) is None
+    short = open_files_shortfall(front, 8000)
+    assert short is not None and "connections to the sandbox hosts" in short, short
+    assert "lower max_connections to 3968" in short, short
+    assert open_files_shortfall(Settings(cluster="127.0.0.1:6379", max_connections=3968),
+                                8000) is None
