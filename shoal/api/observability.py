@@ -108,7 +108,10 @@ class _LiveCollector:
                 ("shoal_sandbox_oom_kills", "Processes the kernel killed for a sandbox's "
                                             "memory limit", stats.oom_kills),
                 ("shoal_sandbox_restarts", "Sandboxes restarted on the same files",
-                 stats.restarts)):
+                 stats.restarts),
+                ("shoal_zygote_restarts", "Zygotes started again after theirs died "
+                                          "(its sandboxes' next calls restart them)",
+                 stats.zygote_restarts)):
             yield CounterMetricFamily(name, text, value=value)
         for name, text, value in (
                 ("shoal_sessions_live", "Sessions leased now", manager.live),

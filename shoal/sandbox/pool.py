@@ -103,6 +103,7 @@ class SandboxPool:
         # sandbox's memory limit would be charged for.
         self._scratch_dir = settings.data_dir / "scratch" / f"pool-{self._prefix}"
         self._zygote: Zygote | None = None
+        self._zygote_lock = asyncio.Lock()
         self._agent_dir: Path | None = None
         self._agent_lock = -1
 
@@ -161,6 +162,33 @@ class SandboxPool:
             zygote.close()
             self._zygote = None
             return None
+
+    async def _live_zygote(self) -> None:
+        """The zygote, started again if it died: every launch after its death
+        failed (a broken pipe, a 500), and the pool never warmed again until the
+        server restarted. Its sandboxes live on without it; one restart at a
+        time, and a zygote that cannot start fails the launch (a 503)."""
+        if self._zygote is None or self._zygote.alive:
+            return
+        async with self._zygote_lock:
+            dead = self._zygote
+            if dead is None or dead.alive:
+                return  # another launch started it again meanwhile
+            assert self._config is not None
+            status, last_words = dead.exit_status(), dead.diagnostics()
+            dead.close()
+            log.error("the zygote stopped (exit status %s; last words: %s): starting another",
+                      status, last_words[-500:] or "none")
+            zygote = Zygote(self._config.runtime, self._config.agent_root, self.settings.preload,
+                            self.egress_dir)
+            try:
+                await zygote.start()
+            except ZygoteFailed as exc:
+                # Kept as it is: the next launch tries again (the refill backs off).
+                raise LaunchFailed(f"the zygote could not be started again: {exc}") from None
+            self._zygote = zygote
+            self._config = dataclasses.replace(self._config, zygote=zygote)
+            self.stats.zygote_restarts += 1
 
     async def wait_warm(self, timeout: float = 120.0) -> None:
         """Wait until the pool holds its full size (benchmarks, tests)."""
@@ -479,7 +507,15 @@ class SandboxPool:
     async def _spawn(self, sandbox: Sandbox, preload: bool = True,
                      warm: bool = False) -> SandboxProcess:
         assert self._config is not None
-        process = await launch(self._config, sandbox.home, sandbox.uid, sandbox._cgroup)
+        await self._live_zygote()
+        try:
+            process = await launch(self._config, sandbox.home, sandbox.uid, sandbox._cgroup)
+        except LaunchFailed:
+            if self._zygote is None or self._zygote.alive:
+                raise
+            # It died under this launch: once more, on another.
+            await self._live_zygote()
+            process = await launch(self._config, sandbox.home, sandbox.uid, sandbox._cgroup)
         try:
             # A zygote's forks have the modules imported already.
             if preload and self.settings.preload and self._zygote is None:

@@ -20,6 +20,7 @@ class SandboxStats:
     crashes: int = 0
     oom_kills: int = 0
     restarts: int = 0
+    zygote_restarts: int = 0
     exec_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 

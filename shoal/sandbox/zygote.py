@@ -111,6 +111,15 @@ class Zygote:
         self._requests = itertools.count(1)
         self._answers: dict[int, asyncio.Future] = {}
         self._send_lock = asyncio.Lock()
+        # It closed its socket: it died (an OOM kill picks a big process, and the
+        # zygote holds every preloaded library). Its sandboxes live on; only new
+        # ones need another zygote (SandboxPool._live_zygote).
+        self.stopped = False
+
+    @property
+    def alive(self) -> bool:
+        return (self._socket is not None and not self.stopped
+                and self._popen is not None and self._popen.poll() is None)
 
     async def start(self) -> None:
         host_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -149,6 +158,7 @@ class Zygote:
         except OSError:
             message = b""
         if not message:
+            self.stopped = True
             asyncio.get_running_loop().remove_reader(self._socket)
             for future in self._answers.values():
                 if not future.done():
@@ -175,6 +185,9 @@ class Zygote:
         tree = open_tree(home)
         try:
             socket.send_fds(self._socket, [json.dumps(spec).encode()], [channel_fd, tree])
+        except (BrokenPipeError, ConnectionError) as exc:
+            self.stopped = True
+            raise ZygoteFailed(f"the zygote stopped answering ({exc.strerror})") from None
         finally:
             os.close(tree)
 
@@ -184,6 +197,8 @@ class Zygote:
         them). Many spawns may be under way at once."""
         if self._socket is None:
             raise ZygoteFailed("the zygote is closed")
+        if self.stopped:
+            raise ZygoteFailed("the zygote stopped answering")
         request = next(self._requests)
         answer = self._answers[request] = asyncio.get_running_loop().create_future()
         try:
@@ -227,6 +242,9 @@ class Zygote:
             self._popen.kill()
             self._popen.wait()
             self._popen = None
+
+    def exit_status(self) -> int | None:
+        return self._popen.poll() if self._popen is not None else None
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

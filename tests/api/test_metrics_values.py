@@ -81,7 +81,7 @@ def test_every_metric_is_served(client):
         "shoal_exec_seconds": "histogram", "shoal_limits_fired": "counter",
         "shoal_sandbox_launches": "counter", "shoal_sandbox_launch_failures": "counter",
         "shoal_sandbox_crashes": "counter", "shoal_sandbox_oom_kills": "counter",
-        "shoal_sandbox_restarts": "counter",
+        "shoal_sandbox_restarts": "counter", "shoal_zygote_restarts": "counter",
         "shoal_sessions_live": "gauge", "shoal_sessions_max": "gauge",
         "shoal_pool_ready": "gauge", "shoal_pool_target": "gauge", "shoal_uids_free": "gauge",
         "shoal_ready": "gauge", "shoal_containers_active": "gauge",

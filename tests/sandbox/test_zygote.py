@@ -233,3 +233,40 @@ async def test_the_zygote_runs_with_its_run_directory_under_tmp(tmp_path):
             await sandbox.close()
     finally:
         await pool.close()
+
+
+async def test_a_zygote_that_dies_is_started_again(tmp_path):
+    """Killed (the OOM killer picks a big process, and the zygote holds every
+    preloaded library), the zygote took every later launch with it: each failed
+    with a broken pipe (a 500), the pool never warmed again, and the server made
+    no sandbox until it was restarted. Its forks die with it (as with the
+    server: nothing it forked outlives it); their next call restarts them."""
+    run_dir = Path("/run/shoal-test") / f"zygote-{uuid.uuid4().hex[:8]}"
+    settings = Settings(pool_size=0, data_dir=tmp_path / "data", run_dir=run_dir,
+                        uid_base=uid(282_000), uid_count=16, launcher="zygote")
+    pool = SandboxPool(settings)
+    await pool.start()
+    try:
+        assert pool._zygote is not None, "no zygote started"
+        before = await pool.lease()
+        assert (await before.run_python("open('kept.txt', 'w').write('kept')")).return_code == 0
+        dead = pool._zygote._popen.pid
+        os.kill(dead, signal.SIGKILL)
+        while Path(f"/proc/{dead}/stat").exists() and _status(dead).get("State", "")[:1] != "Z":
+            await asyncio.sleep(0.01)
+        after = await asyncio.wait_for(pool.lease(), 120)  # a launch: the pool was empty
+        try:
+            assert (await after.run_python("print('forked anew')")).stdout == "forked anew\n"
+            assert pool.stats.zygote_restarts == 1 and pool._zygote._popen.pid != dead
+            # A sandbox the dead zygote had forked comes back on the new one, its
+            # files kept, its interpreter (as the call says) a new one.
+            noticed = await before.run_python("print('not run: the interpreter was gone')")
+            assert noticed.restarted and "restarted" in noticed.stderr, noticed
+            again = await before.run_python("print(open('kept.txt').read())")
+            assert again.stdout == "kept\n", again
+        finally:
+            await after.close()
+        await before.close()
+    finally:
+        await pool.close()
+        subprocess.run(["rm", "-rf", str(run_dir)], check=False)
