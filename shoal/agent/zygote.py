@@ -697,22 +697,20 @@ def serve(control_fd: int, preload: list[str]) -> None:
         control.send(json.dumps({"request": request, **body}).encode())
 
     while True:
-        readable, _, _ = select.select([control, wake, *([builder] if builder else [])],
-                                       [], [], 1.0)
+        readable, _, _ = select.select([control, wake, builder], [], [], 1.0)
         if wake in readable:
             _drain(wake)
         _reap()
-        if builder is not None and builder in readable:
+        if builder in readable:
             message, namespaces, _, _ = socket.recv_fds(builder, 65536, len(NAMESPACES))
-            if not message:  # the builder is gone: no sandbox can start any more
-                builder.close()
-                builder = None
-                for request, (_, channel_fd, alive_write) in starting.items():
-                    os.close(channel_fd)
-                    os.close(alive_write)
-                    answer(request, {"error": "the zygote's builder is gone"})
-                starting.clear()
-                continue
+            if not message:
+                # The builder is gone (its sandboxes' inits with it): no sandbox
+                # can start any more. The zygote goes too, so that the host
+                # starts another; staying, it refused every launch for good.
+                for request in starting:
+                    answer(request, {"error": "the zygote's builder is gone", "stopping": True})
+                os.write(2, b"zygote: its builder is gone; stopping\n")
+                return
             reply = json.loads(message)
             entry = starting.pop(reply.get("request"), None)
             try:
@@ -745,8 +743,6 @@ def serve(control_fd: int, preload: list[str]) -> None:
             spec = json.loads(message)
             if len(fds) != 2:
                 raise ValueError("a spawn request carries two fds")
-            if builder is None:
-                raise OSError("the zygote's builder is gone")
             alive_read, alive_write = os.pipe2(os.O_CLOEXEC)
             try:
                 socket.send_fds(builder, [message], [fds[1], alive_read])

@@ -211,6 +211,8 @@ class Zygote:
         finally:
             self._answers.pop(request, None)
         if "pid" not in reply or "agent" not in reply:
+            if reply.get("stopping") is True:
+                self.stopped = True  # it cannot start sandboxes any more, and exits
             raise ZygoteFailed(f"the zygote refused: {reply.get('error', reply)}")
         return int(reply["pid"]), int(reply["agent"])
 

@@ -270,3 +270,35 @@ async def test_a_zygote_that_dies_is_started_again(tmp_path):
     finally:
         await pool.close()
         subprocess.run(["rm", "-rf", str(run_dir)], check=False)
+
+
+async def test_a_zygote_whose_builder_died_is_started_again(tmp_path):
+    """The builder (the zygote's root child that makes every sandbox's walls)
+    killed, the zygote lived on and refused every launch for good."""
+    run_dir = Path("/run/shoal-test") / f"zygote-{uuid.uuid4().hex[:8]}"
+    settings = Settings(pool_size=0, data_dir=tmp_path / "data", run_dir=run_dir,
+                        uid_base=uid(283_000), uid_count=16, launcher="zygote")
+    pool = SandboxPool(settings)
+    await pool.start()
+    try:
+        assert pool._zygote is not None, "no zygote started"
+        first = await pool.lease()
+        await first.close()
+        zygote = pool._zygote._popen.pid
+        (builder,) = [child for child in _children_of(zygote)
+                      if _status(child)["Uid"].split()[0] == "0"]
+        os.kill(builder, signal.SIGKILL)
+        sandbox = await asyncio.wait_for(pool.lease(), 120)  # a launch: the pool was empty
+        try:
+            assert (await sandbox.run_python("print('walls anew')")).stdout == "walls anew\n"
+        finally:
+            await sandbox.close()
+        assert pool.stats.zygote_restarts == 1 and pool._zygote._popen.pid != zygote
+    finally:
+        await pool.close()
+        subprocess.run(["rm", "-rf", str(run_dir)], check=False)
+
+
+def _children_of(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as handle:
+        return [int(child) for child in handle.read().split()]
