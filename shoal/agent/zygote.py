@@ -270,6 +270,14 @@ def _loopback_up() -> None:
         fcntl.ioctl(probe, _SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags))
 
 
+def _set_oom_score_adj(spec: dict) -> None:
+    """The sandbox's standing with the OOM killer, written as root (holding
+    CAP_SYS_RESOURCE, that makes it the least the code can set); every process
+    the code starts inherits it."""
+    with open("/proc/self/oom_score_adj", "w") as handle:
+        handle.write(str(int(spec.get("oom_score_adj", 0))))
+
+
 def _init(spec: dict, home_tree_fd: int, agent_alive_fd: int, sync: socket.socket) -> None:
     """pid 1 of the sandbox's pid namespace (the builder made it): the rest of the
     walls, made by itself as root outside them, then its uid and filter."""
@@ -284,6 +292,7 @@ def _init(spec: dict, home_tree_fd: int, agent_alive_fd: int, sync: socket.socke
         for procs in spec["cgroup_procs"]:
             with open(procs, "w") as handle:
                 handle.write("0")  # the writer itself
+        _set_oom_score_adj(spec)
         # Joined first, so that the new cgroup namespace's root is the sandbox's group.
         _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET
                              | CLONE_NEWCGROUP), "unshare")
@@ -338,6 +347,7 @@ def _enter(spec: dict, namespaces: list[int], channel_fd: int, agent_alive_fd: i
     for procs in spec["cgroup_procs"]:
         with open(procs, "w") as handle:
             handle.write("0")  # the writer itself, whatever namespace it counts pids in
+    _set_oom_score_adj(spec)
     for kind in NAMESPACES[1:-1]:
         _setns(fds[kind], kind)
     _limit(spec)

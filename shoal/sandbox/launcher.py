@@ -28,7 +28,7 @@ from pathlib import Path
 from . import seccomp
 from .cgroups import Cgroup
 from .channel import Channel, ChannelClosed
-from .mounts import AGENT_ROOT, RUNTIME, SandboxHome, bwrap_arguments
+from .mounts import AGENT_ROOT, OOM_SCORE_ADJ, RUNTIME, SandboxHome, bwrap_arguments
 from .uids import sandbox_uid
 from .zygote import Zygote, ZygoteFailed, spawn_spec
 
@@ -36,8 +36,10 @@ BWRAP = "/usr/bin/bwrap"
 SETPRIV = "/usr/bin/setpriv"
 PRLIMIT = "/usr/bin/prlimit"
 # dash exports PWD on its own; bwrap's pid 1 would keep it, readable at /proc/1/environ.
+# As root, before anything of the sandbox runs: into its cgroups, and its OOM
+# standing (mounts.OOM_SCORE_ADJ).
 _ATTACH_AND_EXEC = ('unset PWD OLDPWD; for f in $1; do echo $$ > "$f" || exit 97; done; '
-                    'shift; exec "$@"')
+                    'echo $2 > /proc/self/oom_score_adj || exit 96; shift 2; exec "$@"')
 _BOOT = (f"import sys; sys.path.insert(0, {AGENT_ROOT!r}); "
          "from shoal_agent.main import main; main()")
 READY_TIMEOUT_SECONDS = 15.0
@@ -99,7 +101,7 @@ def command_line(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
                  channel_fd: int, seccomp_fd: int) -> list[str]:
     return [
         "/bin/sh", "-c", _ATTACH_AND_EXEC, "sh", " ".join(cgroup.procs_files),
-        PRLIMIT, f"--nofile={config.open_files}", "--core=0", f"--nproc={config.nproc}", "--",
+        str(OOM_SCORE_ADJ), PRLIMIT, f"--nofile={config.open_files}", "--core=0", f"--nproc={config.nproc}", "--",
         SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
         "--inh-caps=-all", "--",
         BWRAP, *bwrap_arguments(home, config.runtime, config.agent_root,

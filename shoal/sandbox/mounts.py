@@ -33,6 +33,13 @@ RELAY = "http://127.0.0.1:3128"
 # /proc files that describe the whole host's block devices: every loop volume's
 # size and I/O, so one tenant could watch another's writes. Masked with /dev/null.
 MASKED_PROC = ("/proc/diskstats", "/proc/partitions")
+# Every sandbox process's standing with the kernel's OOM killer, set as root as
+# the sandbox starts (a root holding CAP_SYS_RESOURCE makes it the floor code
+# cannot go under; code may always raise it): past its cgroup's limit a
+# sandbox's own processes die anyway, and if the machine as a whole runs out,
+# sandboxes go before the server and the zygote, whose death is every
+# sandbox's (a zygote holding every preloaded library was the biggest target).
+OOM_SCORE_ADJ = 500
 
 # Host /etc entries a sandbox may read; nothing with secrets or host identity.
 _ETC_ENTRIES = (

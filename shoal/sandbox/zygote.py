@@ -22,7 +22,7 @@ from pathlib import Path
 from . import seccomp
 from .mounts import (AGENT_ROOT, EXTERNAL, OPENAI_DATA, OUTPUTS, RUNTIME, SANDBOX_ENV, SKILLS, UPLOADS,
                      WORKSPACE, SandboxHome)
-from .mounts import EGRESS_DIR, MASKED_PROC, egress_env, etc_entries
+from .mounts import EGRESS_DIR, MASKED_PROC, OOM_SCORE_ADJ, egress_env, etc_entries
 
 READY_TIMEOUT_SECONDS = 120.0
 # A spawn's answer: the builder gives a sandbox's walls 10 s, the fork is quick.
@@ -301,5 +301,6 @@ def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], tmp_size_by
         "env": env,
         "cwd": WORKSPACE,
         "masked": list(MASKED_PROC),
+        "oom_score_adj": OOM_SCORE_ADJ,
         "seccomp": seccomp.build_filter(inet=egress).hex(),
     }

@@ -47,6 +47,25 @@ print(json.dumps(found))
         assert "loop" not in seen and "vda" not in seen, (name, seen[:200])
 
 
+async def test_sandboxes_are_the_oom_killers_first_choice_and_cannot_change_it(sandbox):
+    """The machine out of memory, the kernel kills the process it rates worst:
+    the zygote, holding every preloaded library, was the likeliest, and its
+    death is every sandbox's. Sandbox processes rate themselves worse, as root
+    set it (code may raise it, never lower it), and so does what they start."""
+    result = await sandbox.run_bash(
+        "cat /proc/self/oom_score_adj /proc/1/oom_score_adj; "
+        "python3 -c 'print(open(\"/proc/self/oom_score_adj\").read().strip())'; "
+        "sh -c '(echo 0 > /proc/self/oom_score_adj) 2>/dev/null && echo lowered || echo refused'")
+    standing, lowering = result.stdout.split()[:3], result.stdout.split()[3:]
+    assert standing == ["500", "500", "500"], result
+    with open("/proc/self/status") as handle:
+        effective = int(next(line for line in handle if line.startswith("CapEff:")).split()[1], 16)
+    if effective & (1 << 24):  # CAP_SYS_RESOURCE: root's write is then also the floor
+        assert lowering == ["refused"], result
+    with open("/proc/self/oom_score_adj") as handle:
+        assert handle.read().strip() == "0", "the server's own standing is left alone"
+
+
 async def test_dev_is_not_a_writable_tmpfs(sandbox):
     # bwrap's /dev was a tmpfs owned by the sandbox uid, bounded by nothing but memory.
     out = await run(sandbox, """
