@@ -43,6 +43,10 @@ _MAX_LINE_BYTES = 4 * 1024 * 1024
 # frame to the host (the frame's envelope beside it), and within the line the
 # bridge reads.
 _MAX_SENT_LINE = min(_MAX_LINE_BYTES, MAX_FRAME_BYTES) - 64 * 1024
+# The host's cap (shoal.sandbox.toolcalls.MAX_CALLS_PER_CALL): calls past it are
+# refused here, since the host answers only so many refusals per call and drops
+# the rest (a flood of forged entries must not cost it a frame each).
+MAX_CALLS_PER_CALL = 1000
 
 
 class ToolError(Exception):
@@ -194,14 +198,18 @@ class ToolRelay:
             if call_id is None:
                 failed = batch
             else:
-                failed = []
+                room = max(MAX_CALLS_PER_CALL - self.calls_made, 0)
+                batch, failed = batch[:room], batch[room:]
                 paused = not self._waiting
                 for pending in batch:
                     self._waiting[pending.ref] = pending
                 self.calls_made += len(batch)
         if failed:
+            reason = ("the call ended before the tool was called" if call_id is None else
+                      f"at most {MAX_CALLS_PER_CALL} tool calls are allowed per call")
             for pending in failed:
-                pending.complete({"error": "the call ended before the tool was called"})
+                pending.complete({"error": reason})
+        if not batch or call_id is None:
             return
         if paused:
             self._on_pause()

@@ -23,6 +23,9 @@ from .channel import CallTooLarge
 log = logging.getLogger("shoal.sandbox")
 
 MAX_CALLS_PER_CALL = 1000
+# Refusals answered per call (malformed entries, calls past the cap): each is a
+# frame back to the agent, and code can forge entries by the hundred thousand.
+MAX_REFUSALS_PER_CALL = 1000
 _MAX_NAME = 128
 _MAX_REF = 32
 MiB = 1024 * 1024
@@ -109,19 +112,42 @@ class ToolExchange:
     handler: ToolHandler | None
     scope: asyncio.Timeout | None = None
     made: int = 0
+    refused: int = 0
+    dropped: int = 0
     _pending: set = field(default_factory=set)
     _tasks: set = field(default_factory=set)
     _remaining: float = 0.0
 
     def on_batch(self, raw: list) -> None:
+        # Every entry costs the host work and, answered, a frame: the entries one
+        # call gets looked at are bounded whatever their shape. One forged 4 MiB
+        # frame of {"ref": …} entries held 200,000, each refused by a task of its
+        # own outside the cap: four such frames took the server 2.3 GiB and its
+        # event loop (every tenant's requests) for 35 s. The agent's stubs refuse
+        # calls past the cap themselves, so what is dropped unanswered is forged.
+        room = (max(MAX_CALLS_PER_CALL - self.made, 0)
+                + max(MAX_REFUSALS_PER_CALL - self.refused, 0))
+        if len(raw) > room:
+            if not self.dropped:  # once per call: the flood itself must not flood the log
+                log.warning("dropped tool call entries past the per-call bounds (forged?)")
+            self.dropped += len(raw) - room
+            raw = raw[:room]
         calls, refused = parse_calls(raw)
-        calls = [call for call in calls if call.ref not in self._pending]
+        refs = set(self._pending)
+        fresh = []
+        for call in calls:
+            if call.ref not in refs:  # one answer per ref, even within a batch
+                refs.add(call.ref)
+                fresh.append(call)
+        calls = fresh
         room = max(MAX_CALLS_PER_CALL - self.made, 0)
         refused += [(call.ref, f"at most {MAX_CALLS_PER_CALL} tool calls are allowed per call")
                     for call in calls[room:]]
         calls = calls[:room]
-        for ref, why in refused:
-            self._spawn(ref, _done(ToolOutcome(error=why)))
+        refused = refused[:max(MAX_REFUSALS_PER_CALL - self.refused, 0)]
+        if refused:
+            self.refused += len(refused)
+            self._track(asyncio.ensure_future(self._refuse(refused)))
         if not calls:
             return
         self.made += len(calls)
@@ -135,18 +161,29 @@ class ToolExchange:
                 log.exception("tool handler failed")
                 outcomes = [_done(ToolOutcome(error=f"tool call failed: {exc}")) for _ in calls]
         for call, outcome in zip(calls, outcomes):
-            self._spawn(call.ref, outcome, counted=True)
+            self._spawn(call.ref, outcome)
 
-    def _spawn(self, ref: str, outcome: Awaitable[ToolOutcome], counted: bool = False) -> None:
-        if counted:
-            if not self._pending:
-                self._pause()
-            self._pending.add(ref)
-        task = asyncio.ensure_future(self._answer(ref, outcome, counted))
+    async def _refuse(self, refused: list[tuple[str, str]]) -> None:
+        """A batch's refusals, in order, from one task: a task each cost the host
+        a coroutine per forged entry."""
+        for ref, why in refused:
+            try:
+                await self.send({"op": "tool_result", "id": self.call_id, "ref": ref,
+                                 "error": why})
+            except Exception:  # noqa: BLE001 - the call ends on its own if the channel died
+                return
+
+    def _track(self, task: asyncio.Future) -> None:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _answer(self, ref: str, outcome: Awaitable[ToolOutcome], counted: bool) -> None:
+    def _spawn(self, ref: str, outcome: Awaitable[ToolOutcome]) -> None:
+        if not self._pending:
+            self._pause()
+        self._pending.add(ref)
+        self._track(asyncio.ensure_future(self._answer(ref, outcome)))
+
+    async def _answer(self, ref: str, outcome: Awaitable[ToolOutcome]) -> None:
         wait_limit = self.handler.wait_limit if self.handler is not None else 1.0
         try:
             try:
@@ -170,10 +207,9 @@ class ToolExchange:
             except Exception:  # noqa: BLE001 - the call ends on its own if the channel died
                 pass
         finally:
-            if counted:
-                self._pending.discard(ref)
-                if not self._pending:
-                    self._resume()
+            self._pending.discard(ref)
+            if not self._pending:
+                self._resume()
 
     # -- the clock: time spent waiting for answers is not the code's ---------------------
     def _pause(self) -> None:
