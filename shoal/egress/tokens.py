@@ -8,8 +8,8 @@ that is:
 - bound to one container, its tenant and the request's user. The broker
   accepts it only on a connection from that container's sandbox, so a token
   copied elsewhere is useless;
-- short-lived (``model_token_seconds``), with a budget of requests
-  (``model_token_requests``);
+- short-lived: revoked when the run it was issued for ends, and never older
+  than ``model_token_seconds``; with a budget of requests (``model_token_requests``);
 - held only in this process's memory, as a hash. A restart revokes them all.
 
 The broker checks the token and calls Shoal's own gateway as the tenant. The
@@ -87,6 +87,13 @@ class ModelTokens:
         self._tokens[self._key(token)] = ModelToken(
             tenant, container_id, user, time.time() + self._lifetime, self._budget)
         return token
+
+    def revoke(self, token: str) -> None:
+        """The request the token was issued for is over: the token is no more.
+        Else what its code left in the container (the token in a file, a
+        background job) called the model as that request's user, from later runs
+        given no model access, for the rest of its lifetime."""
+        self._tokens.pop(self._key(token), None)
 
     def spend(self, token: str, container_id: str | None) -> ModelToken:
         """The token's grant, with one request taken from its budget, if it may be

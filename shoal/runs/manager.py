@@ -419,6 +419,7 @@ class RunManager:
                          **({"container": container.id} if container is not None else {})}
         scope = container.id if container is not None else f"run:{run.id}"
         env = {}
+        token = None
         if run.request.model is not None and self.settings.model_upstream:
             token = sessions.model_tokens.issue(run.tenant, scope, run.request.model.user)
             env = model_env(run.request.model, token)
@@ -449,6 +450,8 @@ class RunManager:
             elif container is not None:
                 run.files = await sessions.container_files.produced(container, run.result.files)
         finally:
+            if token is not None:
+                sessions.model_tokens.revoke(token)
             run.sandbox = None
             if container is not None:
                 sessions.containers.release(container)

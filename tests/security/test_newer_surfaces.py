@@ -14,6 +14,7 @@ import pytest
 
 from httpx_sse import connect_sse
 
+from tests.gateway.scripted_upstream import ScriptedUpstream, anthropic_turn, text, tool_use
 from tests.security.helpers import execute, new_session
 from tests.security.test_channel_abuse import FORGE
 
@@ -90,3 +91,74 @@ def test_a_flood_of_refused_tool_calls_costs_the_host_no_task_each(flood_server)
             with flood_server.client() as own:
                 own.delete(f"/sessions/{session}")
 
+
+# -- the sandbox's model access ----------------------------------------------------------------
+ALPHA, BETA = "newer-alpha-token", "newer-beta-token"
+OPERATOR_KEY = "newer-operator-upstream-key"
+CODE_TOOL = {"type": "code_execution_20250825", "name": "code_execution"}
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    with ScriptedUpstream() as scripted:
+        yield scripted
+
+
+@pytest.fixture(scope="module")
+def gateway_server(security_server_factory, upstream):
+    return security_server_factory(
+        upstream_anthropic_url=upstream.url, upstream_anthropic_key=OPERATOR_KEY,
+        upstream_openai_url=upstream.url, upstream_openai_key=OPERATOR_KEY,
+        tokens=f"{ALPHA}=alpha,{BETA}=beta", pool_size=1, model_token_seconds=600)
+
+
+def _messages(http: httpx.Client, **body) -> dict:
+    answer = http.post("/v1/messages", json={"model": "m", "max_tokens": 64, **body})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def _run_python(http: httpx.Client, container: str, code: str) -> dict:
+    with connect_sse(http, "POST", "/v1/code-execution/runs", json={
+            "language": "python", "code": code, "container": container,
+            "timeout_ms": 60_000}) as source:
+        assert source.response.status_code == 200, source.response.read()
+        ends = [{"event": sse.event, **sse.json()} for sse in source.iter_sse()
+                if sse.event in ("run.completed", "run.failed")]
+    assert len(ends) == 1, ends
+    return ends[0]
+
+
+ASK_WITH_SAVED_TOKEN = r"""
+import json, os, subprocess
+token = open('/home/agent/workspace/token.txt').read().strip()
+body = json.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "late"}]})
+code = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                       "-H", "content-type: application/json",
+                       "-H", f"authorization: Bearer {token}", "-d", body,
+                       "http://shoal.internal/v1/messages"], capture_output=True, text=True)
+print(token[:9], code.stdout)
+"""
+
+
+def test_a_model_token_dies_with_the_run_it_was_issued_for(gateway_server, upstream):
+    """A token was good for its whole lifetime (15 minutes), after the request that
+    ran the code had ended: anything the code left in its container (the token in a
+    file, a background job) called the model as that request's user, from later runs
+    that were given no model access at all."""
+    upstream.reset()
+    upstream.script(
+        anthropic_turn(tool_use("bash_code_execution", {
+            "command": "echo \"$ANTHROPIC_AUTH_TOKEN\" > token.txt; echo saved"})),
+        anthropic_turn(text("done")),
+        anthropic_turn(text("a late answer")))
+    with gateway_server.client(ALPHA) as http:
+        message = _messages(http, tools=[CODE_TOOL],
+                            messages=[{"role": "user", "content": "go"}])
+        assert message["content"][-1]["text"] == "done", message
+        container = message["container"]["id"]
+        # A later run on the same container, with no model access of its own.
+        end = _run_python(http, container, ASK_WITH_SAVED_TOKEN)
+    assert end["event"] == "run.completed", end
+    assert end["stdout"] == "shoal-mt- 401\n", end
+    assert len(upstream.requests) == 2, [r.body for r in upstream.requests]
