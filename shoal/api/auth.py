@@ -162,6 +162,8 @@ async def tenant_of(request: Request,
     internal = _internal_tenant(request)
     if internal is not None:
         tenant = internal
+        # What the sandbox's token was issued for: the gateway keeps its code there.
+        request.state.model_scope = request.headers.get("x-shoal-container", "")
     elif not table.enabled:
         tenant = OPEN_TENANT
     else:
@@ -176,6 +178,13 @@ async def tenant_of(request: Request,
     if context is not None:
         context["tenant"] = tenant
     return tenant
+
+
+def model_scope(request: Request) -> str | None:
+    """For a request a sandbox's code made with its model token (forwarded by the
+    egress broker), the container (or run, or session) the token is bound to;
+    None for a client's request."""
+    return getattr(request.state, "model_scope", None)
 
 
 def _internal_tenant(request: Request) -> str | None:

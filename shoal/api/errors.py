@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
 from shoal.gateway.anthropic import InvalidMessagesRequest
 from shoal.gateway.openai import InvalidResponsesRequest
-from shoal.gateway.service import UnknownResponse
+from shoal.gateway.service import OutOfScope, UnknownResponse
 from shoal.runs import CallbackNotAllowed, InvalidTools, RunConflict, UnknownRun, UnknownToolCall
 from shoal.sandbox import DiskFull, PoolBusy, UidsExhausted
 from shoal.sandbox.launcher import LaunchFailed
@@ -240,6 +240,7 @@ def install(app: FastAPI) -> None:
     handler(UnknownRun, 404)()
     handler(UnknownToolCall, 404)()
     handler(UnknownResponse, 404)()
+    handler(OutOfScope, 403)()
     handler(RunConflict, 409)()
     handler(InvalidContainer, 422)()
     handler(InvalidTools, 422)()

@@ -20,7 +20,7 @@ from shoal.gateway.anthropic import InvalidMessagesRequest, parse_request
 from ._bodies import read_json_object
 from ._gateway import drain, first_chunk, held, streamed, unless_gone
 from ._responses import json_response
-from .auth import tenant_of
+from .auth import model_scope, tenant_of
 from .errors import ANTHROPIC, BadRequest, error_body, request_id_of, stream_failure
 from .schemas import (MESSAGE_EVENTS, MESSAGES_ERRORS, Message, MessagesRequest,
                       MessagesValidation, request_body)
@@ -80,7 +80,8 @@ async def _serve(request: Request, tenant: str, gateway, upstream, parsed) -> Re
         except UpstreamError as exc:
             return upstream_error(request, exc)
     headers = {k.lower(): v for k, v in request.headers.items()}
-    adapter, loop = await gateway.prepare_messages(tenant, parsed, headers)
+    adapter, loop = await gateway.prepare_messages(tenant, parsed, headers,
+                                                   scope=model_scope(request))
     events = loop.events()
     if not parsed.stream:
         try:

@@ -20,7 +20,7 @@ from shoal.gateway.openai import InvalidResponsesRequest, parse_request
 from ._bodies import read_json_object
 from ._gateway import drain, first_chunk, held, streamed, unless_gone
 from ._responses import json_response
-from .auth import tenant_of
+from .auth import model_scope, tenant_of
 from .errors import OPENAI, BadRequest, error_body, openai_code, request_id_of, stream_failure
 from .schemas import (RESPONSE_EVENTS, RESPONSES_ERRORS, ResponseDeleted, ResponseObject,
                       ResponsesRequest, request_body)
@@ -66,7 +66,7 @@ async def _serve(request: Request, tenant: str, gateway, upstream, parsed) -> Re
         except UpstreamError as exc:
             return upstream_error(request, exc)
     headers = {k.lower(): v for k, v in request.headers.items()}
-    session = await gateway.prepare_responses(tenant, parsed, headers)
+    session = await gateway.prepare_responses(tenant, parsed, headers, scope=model_scope(request))
     events = session.events()
     if not parsed.stream:
         try:

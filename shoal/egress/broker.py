@@ -318,9 +318,11 @@ class EgressBroker:
         authority = f"[{host}]" if ":" in host else host
         kept.insert(0, ("Host", authority if port == 80 else f"{authority}:{port}"))
         if host == MODEL_HOST:
-            if not path.startswith(_MODEL_PATHS):
+            # Exactly the model calls: GET and DELETE of /v1/responses/{id} read and
+            # forgot the tenant's stored responses (its other users' conversations).
+            if method != "POST" or (parts.path or "/") not in _MODEL_PATHS:
                 raise _Refused(403, f"{MODEL_HOST} serves the model API only "
-                                    f"({', '.join(_MODEL_PATHS)})")
+                                    f"(POST {', '.join(_MODEL_PATHS)})")
             upstream, kept = await self._to_gateway(grant, kept)
         else:
             kept = _with_secrets(kept, grant, host)

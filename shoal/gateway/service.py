@@ -33,6 +33,20 @@ from .upstream import Upstream, UpstreamNotConfigured
 log = logging.getLogger("shoal.gateway")
 
 
+class OutOfScope(PermissionError):
+    """A sandbox's own model call names a container its token was not issued for."""
+
+
+def _within(scope: str | None, container_id: str | None) -> None:
+    """``scope``: the container (or ephemeral run or session) whose sandbox made
+    the request with its model token, None for a client's request. The token is
+    that container's, so is any code the call runs: it ran wherever the code
+    named, so code in one user's container read another user's files."""
+    if scope is not None and container_id is not None and container_id != scope:
+        raise OutOfScope(f"container {container_id!r} is not this sandbox's: code calls the "
+                         "model with a token for its own container only")
+
+
 class UnknownResponse(LookupError):
     """No stored response with that id for this tenant."""
 
@@ -126,9 +140,15 @@ class Gateway:
         return upstream
 
     async def container_for(self, tenant: str, container_id: str | None,
-                            user: str | None) -> ContainerRecord:
+                            user: str | None, scope: str | None = None) -> ContainerRecord:
         """The named container (made if new), or the one keyed on the user, as
-        Zylon's documentation describes for requests that name none."""
+        Zylon's documentation describes for requests that name none; for a
+        sandbox's own call (``scope``), one keyed on its scope whatever user it names."""
+        _within(scope, container_id)
+        if scope is not None:
+            # Not the scope's container itself, busy running the very code that
+            # waits on this call: a container of the scope's own, for its code.
+            user = f"\x00{scope}"
         if container_id is None:
             digest = hashlib.sha256(f"{tenant}\x00{user or ''}".encode()).hexdigest()[:24]
             container_id = f"user_{digest}"
@@ -136,7 +156,8 @@ class Gateway:
 
     # -- /v1/messages --------------------------------------------------------------------------
     async def prepare_messages(self, tenant: str, request: anthropic.MessagesRequest,
-                               headers: dict[str, str], run: bool = True
+                               headers: dict[str, str], run: bool = True,
+                               scope: str | None = None
                                ) -> tuple[anthropic.AnthropicAdapter | None, ToolLoop | None]:
         """Check everything; with ``run``, also create what the request names and
         return the loop that serves it."""
@@ -152,7 +173,7 @@ class Gateway:
         metadata = request.body.get("metadata")
         user = metadata.get("user_id") if isinstance(metadata, dict) else None
         container = await self.container_for(tenant, request.container_id,
-                                             user if isinstance(user, str) else None)
+                                             user if isinstance(user, str) else None, scope)
         for upload in uploads:
             _, handle, _ = await self.sessions.uploads.open(tenant, upload.id)
             await self.sessions.container_files.attach_upload(container, upload, handle)
@@ -171,7 +192,8 @@ class Gateway:
 
     # -- /v1/responses -------------------------------------------------------------------------
     async def prepare_responses(self, tenant: str, request: openai.ResponsesRequest,
-                                headers: dict[str, str]) -> "ResponsesSession":
+                                headers: dict[str, str],
+                                scope: str | None = None) -> "ResponsesSession":
         upstream = self.upstream("openai")
         if request.store:
             # Checked before the model is asked: a response is stored only once it
@@ -206,6 +228,9 @@ class Gateway:
                 state = pending.state
                 answers = [items[index] for index in answering]
                 items = answers + items[answering[-1] + 1:]
+        # A conversation carried on (stored, or paused) keeps its containers.
+        _within(scope, state.get("interpreter_container"))
+        _within(scope, state.get("caronte_container"))
         conversation = openai.Conversation(list(state.get("history") or []),
                                            state.get("interpreter_container"),
                                            state.get("caronte_container"),
@@ -220,8 +245,10 @@ class Gateway:
                 conversation.history.append(await self._finished_run_output(pending))
         tool = request.code_interpreter
         if tool is not None and isinstance(tool.get("container"), str):
+            _within(scope, tool["container"])
             conversation.interpreter_container = (await containers.get(tenant, tool["container"])).id
         if request.caronte is not None and request.caronte.get("container"):
+            _within(scope, request.caronte["container"])
             await containers.get(tenant, request.caronte["container"])
         if tool is not None and isinstance(tool.get("container"), dict):
             containers.check_memory_limit(tool["container"].get("memory_limit"))

@@ -6,7 +6,9 @@ the paid model where a test needs one.
 
 from __future__ import annotations
 
+import json
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -162,3 +164,110 @@ def test_a_model_token_dies_with_the_run_it_was_issued_for(gateway_server, upstr
     assert end["event"] == "run.completed", end
     assert end["stdout"] == "shoal-mt- 401\n", end
     assert len(upstream.requests) == 2, [r.body for r in upstream.requests]
+
+
+INNER_CALL = r"""
+import json, subprocess, sys
+body = json.loads(sys.argv[1])
+answer = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", "-X", sys.argv[2],
+                         "-H", "content-type: application/json",
+                         "-H", "authorization: Bearer " + __import__("os").environ["ANTHROPIC_AUTH_TOKEN"],
+                         "-d", json.dumps(body), "http://shoal.internal" + sys.argv[3]],
+                        capture_output=True, text=True).stdout
+text, _, status = answer.rpartition("\n")
+print(json.dumps({"status": status, "text": text}))
+"""
+
+
+def _inner(body: dict, method: str = "POST", path: str = "/v1/messages") -> str:
+    """A bash command: the code calls the model API with ``body``; prints what came back."""
+    return (f"cat > inner.py <<'EOF'\n{INNER_CALL}\nEOF\n"
+            f"python3 inner.py {json.dumps(json.dumps(body))} {method} {path}")
+
+
+def _outer_reply(command: str, seen: dict):
+    """The scripted model: outer turns run ``command``; inner turns (the code's own model
+    calls, told apart by their first message) run ``cat secret.txt`` once."""
+    def reply(body):
+        messages = body["messages"]
+        results = [b for b in (messages[-1]["content"] if isinstance(messages[-1]["content"], list)
+                               else []) if b.get("type") == "tool_result"]
+        if "from inside" in json.dumps(messages[0]["content"]):
+            if results:
+                return anthropic_turn(text("inner done"))
+            return anthropic_turn(tool_use("bash_code_execution", {"command": "cat secret.txt"}))
+        if results:
+            seen.update(json.loads(results[-1]["content"]))
+            return anthropic_turn(text("done"))
+        return anthropic_turn(tool_use("bash_code_execution", {"command": command}))
+    return reply
+
+
+@pytest.mark.parametrize("aim", ["named", "named-in-responses", "other-user"])
+def test_the_codes_model_token_reaches_only_its_own_container(gateway_server, upstream, aim):
+    """The token is the container's: the gateway ran the code's own model call in any
+    container of the tenant it named (or in the container of any user it claimed to
+    be), so code in one user's container read another user's files. A container
+    named is refused; none named, the code gets one of its own (not the one it
+    runs in, busy with the code that waits on the call)."""
+    secret = f"SECRET-{uuid.uuid4().hex}"
+    with gateway_server.client(ALPHA) as http:
+        victim_user = f"bob-{uuid.uuid4().hex[:6]}"
+        if aim.startswith("named"):
+            created = http.post("/v1/containers", json={"name": "victim"})
+            assert created.status_code == 200, created.text
+            victim = created.json()["id"]
+            inner = {"container": victim}
+        else:  # bob's own container, keyed on his user id
+            bobs = _messages_with_code(http, upstream, "echo hi", user=victim_user)
+            victim = bobs["container"]["id"]
+            inner = {"metadata": {"user_id": victim_user}}
+        end = _run_python(http, victim, f"open('secret.txt', 'w').write({secret!r})")
+        assert end["event"] == "run.completed", end
+        seen: dict = {}
+        upstream.reset()
+        command = _inner({"model": "m", "max_tokens": 64, "tools": [CODE_TOOL],
+                          "messages": [{"role": "user", "content": "from inside"}], **inner})
+        if aim == "named-in-responses":
+            command = _inner({"model": "m", "input": "from inside", "tools": [
+                {"type": "code_interpreter", "container": victim}]}, "POST", "/v1/responses")
+        reply = _outer_reply(command, seen)
+        upstream.script(*[reply] * 4)
+        message = _messages(http, tools=[CODE_TOOL], metadata={"user_id": "alice"},
+                            messages=[{"role": "user", "content": "go"}])
+        assert message["content"][-1]["text"] == "done", message
+        assert message["container"]["id"] != victim
+    assert seen.get("stdout"), seen
+    called = json.loads(seen["stdout"])
+    assert secret not in called["text"], called
+    if aim == "named":
+        assert called["status"] == "403", called
+        assert json.loads(called["text"])["type"] == "error", called  # Anthropic's shape
+    elif aim == "named-in-responses":
+        assert called["status"] == "403", called
+        assert "message" in json.loads(called["text"])["error"], called  # OpenAI's shape
+    else:  # served, in a container of the code's own, neither bob's nor alice's
+        assert called["status"] == "200", called
+        used = json.loads(called["text"])["container"]["id"]
+        assert used not in (victim, message["container"]["id"]), called
+
+
+def _messages_with_code(http: httpx.Client, upstream, command: str, user: str) -> dict:
+    upstream.reset()
+    upstream.script(anthropic_turn(tool_use("bash_code_execution", {"command": command})),
+                    anthropic_turn(text("ok")))
+    return _messages(http, tools=[CODE_TOOL], metadata={"user_id": user},
+                     messages=[{"role": "user", "content": "hello"}])
+
+
+def test_the_codes_model_token_cannot_read_or_delete_stored_responses(gateway_server, upstream):
+    """The token reaches the model, not the tenant's stored responses (other users'
+    conversations): GET and DELETE of /v1/responses/{id} went through."""
+    seen: dict = {}
+    upstream.reset()
+    command = _inner({}, "GET", "/v1/responses/resp_anything")
+    upstream.script(_outer_reply(command, seen), _outer_reply(command, seen))
+    with gateway_server.client(ALPHA) as http:
+        message = _messages(http, tools=[CODE_TOOL], messages=[{"role": "user", "content": "go"}])
+    assert message["content"][-1]["text"] == "done", message
+    assert json.loads(seen["stdout"])["status"] == "403", seen
