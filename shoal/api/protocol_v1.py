@@ -267,8 +267,8 @@ async def register_programmatic_tools(session_id: str, request: Request,
     the operator allowed; the sandbox itself has no network."""
     session = _manager(request).get(tenant, session_id)
     body = await read_json_object(request)
-    url = check_callback_url(body.get("callback_url"), HostAllowlist(
-        request.app.state.settings.callback_allow))
+    allowlist = HostAllowlist(request.app.state.settings.callback_allow)
+    url = check_callback_url(body.get("callback_url"), allowlist)
     token = body.get("token")
     if not isinstance(token, str) or not token:
         raise BadRequest(422, "token is required and must be a non-empty string")
@@ -293,7 +293,7 @@ async def register_programmatic_tools(session_id: str, request: Request,
         specs.append({"name": name, "description": doc, "parameters": {"type": "object"}})
     session.stubs = StubSpec(specs, module=PLATFORM_TOOLS_MODULE)
     session.tools = CallbackTools(sorted(names), url, token, float(timeout),
-                                  request.app.state.http_client)
+                                  request.app.state.http_client, allowlist)
     return _json({"stub_path": PLATFORM_TOOLS_MODULE, "tool_count": len(specs)})
 
 

@@ -17,9 +17,11 @@ forged by the code, and then hands valid calls to one of two faces:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import secrets
+import socket
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit
@@ -267,9 +269,10 @@ class CallbackTools:
     """
 
     def __init__(self, names: list[str], url: str, token: str, timeout: float,
-                 client: httpx.AsyncClient) -> None:
+                 client: httpx.AsyncClient, allowlist: HostAllowlist) -> None:
         self._names = set(names)
         self._url = url
+        self._allowlist = allowlist
         self._token = token
         self.wait_limit = timeout
         self._client = client
@@ -284,9 +287,15 @@ class CallbackTools:
             return ToolOutcome(error=f"tool {call.name!r} takes keyword arguments only")
         body = {"call_id": secrets.token_hex(16), "name": call.name, "input": call.arguments}
         try:
+            url, host, extensions = await self._destination()
+        except CallbackNotAllowed as exc:
+            return ToolOutcome(error=f"tool {call.name!r} not called: {exc}")
+        except (OSError, UnicodeError):
+            return ToolOutcome(error=f"tool {call.name!r} unreachable: cannot resolve its host")
+        try:
             async with self._client.stream(
-                    "POST", self._url, json=body, timeout=self.wait_limit,
-                    headers={"Authorization": f"Bearer {self._token}"}) as response:
+                    "POST", url, json=body, timeout=self.wait_limit, extensions=extensions,
+                    headers={"Authorization": f"Bearer {self._token}", **host}) as response:
                 if not 200 <= response.status_code < 300:
                     return ToolOutcome(error=f"tool {call.name!r} failed: HTTP "
                                              f"{response.status_code}")
@@ -311,3 +320,27 @@ class CallbackTools:
         if answer.get("is_error"):
             return ToolOutcome(error=str(answer.get("content", "tool error")))
         return ToolOutcome(output=answer.get("content"))
+
+    async def _destination(self) -> tuple[httpx.URL, dict, dict]:
+        """Where to POST: the name resolved here and every address checked as the
+        egress broker checks them (a private one only where the operator named it
+        literally), then the checked address itself, under the name's Host and
+        TLS name. httpx resolved the name on its own, so an allowed name that DNS
+        pointed at loopback or the metadata service had the host POST there and
+        hand the answer to the code."""
+        url = httpx.URL(self._url)
+        host = url.host
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            ipaddress.ip_address(host)
+            return url, {}, {}  # a literal, matched as it is when it was registered
+        except ValueError:
+            pass
+        found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addresses = list(dict.fromkeys(info[4][0] for info in found))
+        for address in addresses:
+            if not self._allowlist.allows_address(ipaddress.ip_address(address.split("%")[0]), port):
+                raise CallbackNotAllowed(f"callback host {host} resolves to {address}, which is "
+                                         "not allowed")
+        extensions = {"sni_hostname": host} if url.scheme == "https" else {}
+        return url.copy_with(host=addresses[0]), {"Host": url.netloc.decode("ascii")}, extensions

@@ -7,8 +7,10 @@ the paid model where a test needs one.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -271,3 +273,75 @@ def test_the_codes_model_token_cannot_read_or_delete_stored_responses(gateway_se
         message = _messages(http, tools=[CODE_TOOL], messages=[{"role": "user", "content": "go"}])
     assert message["content"][-1]["text"] == "done", message
     assert json.loads(seen["stdout"])["status"] == "403", seen
+
+
+# -- programmatic tools' callbacks ----------------------------------------------------------------
+class _Internal(ThreadingHTTPServer):
+    """A service on the host's loopback that no callback may reach by a name."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.hits = 0
+        self.hosts: list[str] = []
+        super().__init__(("127.0.0.1", 0), _InternalHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class _InternalHandler(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # noqa: N802
+        self.server.hits += 1
+        self.server.hosts.append(self.headers.get("host"))
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        body = json.dumps({"content": "INTERNAL-ONLY-ANSWER"}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def internal_service():
+    service = _Internal()
+    yield service
+    service.shutdown()
+    service.server_close()
+
+
+def _call_back(server, url: str) -> str:
+    with server.client() as http:
+        session = new_session(http)
+        registered = http.post(f"/sessions/{session}/programmatic-tools/register", json={
+            "callback_url": url, "token": "t",
+            "tools": [{"name": "lookup", "doc": ""}], "timeout_seconds": 10})
+        assert registered.status_code == 200, registered.text
+        answer = execute(http, session, (
+            "from _platform_tools import lookup, ToolError\n"
+            "try:\n    print(lookup(q=1))\nexcept ToolError as e:\n    print('ToolError', e)\n"))
+        http.delete(f"/sessions/{session}")
+    assert answer.status == 200, answer.text
+    return answer.content["stdout"]
+
+
+def test_a_callback_name_that_resolves_to_a_private_address_is_refused(security_server_factory,
+                                                                       internal_service):
+    """Callback hosts were matched by name only, and the host's client resolved the
+    name itself: an allowed name pointed by DNS at loopback (or the metadata
+    service) had the host POST there and hand the answer to the code. The egress
+    broker's rule holds for callbacks too: a private address is reached only where
+    the operator named it literally."""
+    port = internal_service.server_address[1]
+    server = security_server_factory(callback_allow=f"localhost:{port}", pool_size=1)
+    stdout = _call_back(server, f"http://localhost:{port}/hook")
+    assert "INTERNAL-ONLY-ANSWER" not in stdout and internal_service.hits == 0, stdout
+    assert stdout.startswith("ToolError") and "not allowed" in stdout, stdout
+    # Named literally too, the address is the operator's choice: the call goes to the
+    # address checked, under the name the client registered.
+    server = security_server_factory(callback_allow=f"localhost:{port},127.0.0.1:{port}",
+                                     pool_size=1)
+    assert _call_back(server, f"http://localhost:{port}/hook") == "INTERNAL-ONLY-ANSWER\n"
+    assert internal_service.hosts == [f"localhost:{port}"]
+    server.stop()
