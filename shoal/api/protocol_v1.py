@@ -209,6 +209,8 @@ async def execute(session_id: str, request: Request, tenant: str = Depends(tenan
     session = _manager(request).get(tenant, session_id)
     kind, tool, payload, timeout, tool_use_id = parse_exec(await read_json_object(request))
     if "text/event-stream" in request.headers.get("accept", ""):
+        # Refused while it can still be a status (the call itself checks again).
+        session.check_room()
         return _streamed_exec(request, session, kind, tool, payload, timeout, tool_use_id)
     result = await session.run(tool, payload, timeout)
     request.app.state.metrics.observe_exec(kind, result)

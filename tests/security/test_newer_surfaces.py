@@ -345,3 +345,39 @@ def test_a_callback_name_that_resolves_to_a_private_address_is_refused(security_
     assert _call_back(server, f"http://localhost:{port}/hook") == "INTERNAL-ONLY-ANSWER\n"
     assert internal_service.hosts == [f"localhost:{port}"]
     server.stop()
+
+
+# -- protocol v1 streaming exec -------------------------------------------------------------------
+def test_streamed_execs_a_client_left_cannot_pile_up_on_a_session(flood_server):
+    """A streamed exec runs on whoever listens, so its client may leave at once: each
+    left a task holding its code (up to the frame cap) queued on the session, with
+    no connection, slot or count to bound them; a tenant parked hundreds of
+    megabytes in the server, and days of queued calls on the sandbox."""
+    filler = "#" + "x" * (1 << 20) + "\n"
+    with flood_server.client() as http:
+        session = new_session(http)
+        try:
+            before = _rss_kib(flood_server.process.pid)
+            statuses = []
+            for number in range(150):
+                code = ("import time; time.sleep(5)\n" if number == 0 else "print(1)\n") + filler
+                with http.stream("POST", f"/sessions/{session}/exec",
+                                 headers={"accept": "text/event-stream"},
+                                 json={"tool": "code_execution", "input": {"code": code}}) as answer:
+                    statuses.append(answer.status_code)
+            grown = _rss_kib(flood_server.process.pid) - before
+            refused = [status for status in statuses if status == 429]
+            assert grown < 64 * 1024 and refused, (grown // 1024, statuses)
+            assert set(statuses) <= {200, 429}, statuses
+            # The calls that were let in run, and the session is usable after them.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                answer = execute(http, session, "print('free')", timeout=10)
+                if answer.status == 200:
+                    break
+                assert answer.status == 429, answer.text
+                time.sleep(1)
+            assert answer.status == 200 and answer.content["stdout"] == "free\n", answer.text
+        finally:
+            with flood_server.client() as own:
+                own.delete(f"/sessions/{session}")
