@@ -18,7 +18,7 @@ from .api.body_limits import BodyLimits, Budget
 from .api.stalled import StalledResponses
 from .config import MiB, Settings
 from .gateway import Gateway
-from .runs import RunManager
+from .runs import CALLBACKS_AT_ONCE, RunManager
 from .sessions import SessionManager
 
 log = logging.getLogger("shoal")
@@ -36,8 +36,13 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
         await manager.start()
         await run_manager.start_reaper()
         # Outbound calls the host makes for tools (never for the sandbox): no
-        # redirects, so an allowed host cannot bounce a call elsewhere.
-        app.state.http_client = httpx.AsyncClient(follow_redirects=False, trust_env=False)
+        # redirects, so an allowed host cannot bounce a call elsewhere. Room for
+        # every session's callbacks at once, so none waits behind another's.
+        callbacks = settings.max_sessions * CALLBACKS_AT_ONCE
+        app.state.http_client = httpx.AsyncClient(
+            follow_redirects=False, trust_env=False,
+            limits=httpx.Limits(max_connections=callbacks,
+                                max_keepalive_connections=min(20, callbacks)))
         # The models' own pool: tool callbacks never wait behind model calls,
         # and its size is the operator's (each tenant's share is capped apart).
         app.state.upstream_client = httpx.AsyncClient(

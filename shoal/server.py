@@ -20,6 +20,7 @@ from . import logs
 from .api.auth import TokenConfigError, TokenTable
 from .config import Settings
 from .connections import header_deadline_protocol
+from .runs import CALLBACKS_AT_ONCE
 
 
 class StartupError(RuntimeError):
@@ -75,7 +76,8 @@ def _raise_fd_limit() -> int:
 
 # What the server holds besides its clients' connections, in fds: its own
 # (listener, database, logs) and, per sandbox, its channel and pipes (about 5,
-# measured) with room for its egress; and the gateway's upstream connections.
+# measured) with room for its egress; the gateway's upstream connections, and
+# each session's tool callbacks.
 _OWN_FDS = 64
 _FDS_PER_SANDBOX = 8
 
@@ -92,8 +94,9 @@ def open_files_shortfall(settings: Settings, limit: int) -> str | None:
         fitting = (limit - _OWN_FDS) // 2
     else:
         sandboxes = settings.max_sessions + settings.pool_size
-        others = _OWN_FDS + _FDS_PER_SANDBOX * sandboxes + settings.upstream_max_connections
-        held = "sandboxes, upstream connections"
+        others = (_OWN_FDS + _FDS_PER_SANDBOX * sandboxes + settings.upstream_max_connections
+                  + CALLBACKS_AT_ONCE * settings.max_sessions)
+        held = "sandboxes, tool callbacks, upstream connections"
         fitting = limit - others
     if settings.max_connections + others <= limit:
         return None

@@ -233,6 +233,12 @@ class ClientTools:
 # -- callbacks to operator-allowed hosts ----------------------------------------------------------
 # The same entries, and the same matching, as the sandbox's egress allowlist.
 HostAllowlist = Allowlist
+# Callbacks one session's code has in flight at once; the others wait their turn.
+# All sessions share the host's client, whose pool holds this many for each
+# (shoal.app): with one pool of 100 for everyone, one tenant's code calling a
+# slow tool 100 times at once held every other tenant's callbacks until their
+# wait ran out.
+CALLBACKS_AT_ONCE = 4
 
 
 def check_callback_url(url: object, allowlist: HostAllowlist) -> str:
@@ -276,11 +282,16 @@ class CallbackTools:
         self._token = token
         self.wait_limit = timeout
         self._client = client
+        self._slots = asyncio.Semaphore(CALLBACKS_AT_ONCE)
 
     def submit(self, calls: list[ToolCall]) -> list[Awaitable[ToolOutcome]]:
         return [self._call(call) for call in calls]
 
     async def _call(self, call: ToolCall) -> ToolOutcome:
+        async with self._slots:
+            return await self._call_now(call)
+
+    async def _call_now(self, call: ToolCall) -> ToolOutcome:
         if call.name not in self._names:
             return ToolOutcome(error=f"tool {call.name!r} is not registered for this session")
         if not isinstance(call.arguments, dict):
@@ -339,7 +350,8 @@ class CallbackTools:
         found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
         addresses = list(dict.fromkeys(info[4][0] for info in found))
         for address in addresses:
-            if not self._allowlist.allows_address(ipaddress.ip_address(address.split("%")[0]), port):
+            checked = ipaddress.ip_address(address.split("%")[0])
+            if not self._allowlist.allows_address(checked, port):
                 raise CallbackNotAllowed(f"callback host {host} resolves to {address}, which is "
                                          "not allowed")
         extensions = {"sni_hostname": host} if url.scheme == "https" else {}

@@ -136,7 +136,8 @@ def _run_python(http: httpx.Client, container: str, code: str) -> dict:
 ASK_WITH_SAVED_TOKEN = r"""
 import json, os, subprocess
 token = open('/home/agent/workspace/token.txt').read().strip()
-body = json.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "late"}]})
+body = json.dumps({"model": "m", "max_tokens": 8,
+                   "messages": [{"role": "user", "content": "late"}]})
 code = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
                        "-H", "content-type: application/json",
                        "-H", f"authorization: Bearer {token}", "-d", body,
@@ -169,11 +170,11 @@ def test_a_model_token_dies_with_the_run_it_was_issued_for(gateway_server, upstr
 
 
 INNER_CALL = r"""
-import json, subprocess, sys
+import json, os, subprocess, sys
 body = json.loads(sys.argv[1])
 answer = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", "-X", sys.argv[2],
                          "-H", "content-type: application/json",
-                         "-H", "authorization: Bearer " + __import__("os").environ["ANTHROPIC_AUTH_TOKEN"],
+                         "-H", "authorization: Bearer " + os.environ["ANTHROPIC_AUTH_TOKEN"],
                          "-d", json.dumps(body), "http://shoal.internal" + sys.argv[3]],
                         capture_output=True, text=True).stdout
 text, _, status = answer.rpartition("\n")
@@ -280,19 +281,26 @@ class _Internal(ThreadingHTTPServer):
     """A service on the host's loopback that no callback may reach by a name."""
 
     daemon_threads = True
+    request_queue_size = 512  # every call the flood makes is taken in at once
 
     def __init__(self) -> None:
         self.hits = 0
         self.hosts: list[str] = []
+        self.held = 0
+        self.release = threading.Event()
         super().__init__(("127.0.0.1", 0), _InternalHandler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
 class _InternalHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
-        self.server.hits += 1
-        self.server.hosts.append(self.headers.get("host"))
         self.rfile.read(int(self.headers.get("content-length") or 0))
+        if self.path == "/slow":  # a tool that takes its time, until the test lets it go
+            self.server.held += 1
+            self.server.release.wait(60)
+        else:
+            self.server.hits += 1
+            self.server.hosts.append(self.headers.get("host"))
         body = json.dumps({"content": "INTERNAL-ONLY-ANSWER"}).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
@@ -311,16 +319,18 @@ def internal_service():
     service.server_close()
 
 
-def _call_back(server, url: str) -> str:
-    with server.client() as http:
+def _call_back(server, url: str, token: str | None = None, code: str | None = None,
+               wait: int = 10) -> str:
+    with server.client(token) as http:
         session = new_session(http)
         registered = http.post(f"/sessions/{session}/programmatic-tools/register", json={
             "callback_url": url, "token": "t",
-            "tools": [{"name": "lookup", "doc": ""}], "timeout_seconds": 10})
+            "tools": [{"name": "lookup", "doc": ""}], "timeout_seconds": wait})
         assert registered.status_code == 200, registered.text
-        answer = execute(http, session, (
+        answer = execute(http, session, code or (
             "from _platform_tools import lookup, ToolError\n"
-            "try:\n    print(lookup(q=1))\nexcept ToolError as e:\n    print('ToolError', e)\n"))
+            "try:\n    print(lookup(q=1))\nexcept ToolError as e:\n    print('ToolError', e)\n"),
+            timeout=30)
         http.delete(f"/sessions/{session}")
     assert answer.status == 200, answer.text
     return answer.content["stdout"]
@@ -361,9 +371,9 @@ def test_streamed_execs_a_client_left_cannot_pile_up_on_a_session(flood_server):
             statuses = []
             for number in range(150):
                 code = ("import time; time.sleep(5)\n" if number == 0 else "print(1)\n") + filler
-                with http.stream("POST", f"/sessions/{session}/exec",
-                                 headers={"accept": "text/event-stream"},
-                                 json={"tool": "code_execution", "input": {"code": code}}) as answer:
+                body = {"tool": "code_execution", "input": {"code": code}}
+                with http.stream("POST", f"/sessions/{session}/exec", json=body,
+                                 headers={"accept": "text/event-stream"}) as answer:
                     statuses.append(answer.status_code)
             grown = _rss_kib(flood_server.process.pid) - before
             refused = [status for status in statuses if status == 429]
@@ -381,3 +391,38 @@ def test_streamed_execs_a_client_left_cannot_pile_up_on_a_session(flood_server):
         finally:
             with flood_server.client() as own:
                 own.delete(f"/sessions/{session}")
+
+
+def test_one_tenants_slow_callbacks_do_not_hold_another_tenants(security_server_factory,
+                                                                internal_service):
+    """Every session's callbacks shared one connection pool of 100: a tenant whose
+    code made 100 calls at once to a slow tool took all of it, and every other
+    tenant's callbacks waited behind them (for up to their whole wait limit)."""
+    port = internal_service.server_address[1]
+    server = security_server_factory(callback_allow=f"127.0.0.1:{port}", pool_size=2,
+                                     tokens="slow-token=slow,quick-token=quick")
+    internal_service.release.clear()
+    internal_service.held = 0
+    flood = ("import asyncio\n"
+             "from _platform_tools import lookup_async\n"
+             "async def main():\n"
+             "    return await asyncio.gather(*[lookup_async(q=i) for i in range(150)],\n"
+             "                                return_exceptions=True)\n"
+             "print(len(asyncio.run(main())))\n")
+    slow = threading.Thread(target=_call_back, daemon=True,
+                            args=(server, f"http://127.0.0.1:{port}/slow", "slow-token", flood,
+                                  120))
+    slow.start()
+    try:
+        # The flood has taken what it can: at least its own share, at most all of it.
+        deadline = time.monotonic() + 10
+        while internal_service.held < 100 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert internal_service.held >= 1, internal_service.held
+        started = time.monotonic()
+        stdout = _call_back(server, f"http://127.0.0.1:{port}/quick", "quick-token")
+        assert stdout == "INTERNAL-ONLY-ANSWER\n", stdout
+        assert time.monotonic() - started < 10
+    finally:
+        internal_service.release.set()
+        slow.join(60)
