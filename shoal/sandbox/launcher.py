@@ -101,7 +101,8 @@ def command_line(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
                  channel_fd: int, seccomp_fd: int) -> list[str]:
     return [
         "/bin/sh", "-c", _ATTACH_AND_EXEC, "sh", " ".join(cgroup.procs_files),
-        str(OOM_SCORE_ADJ), PRLIMIT, f"--nofile={config.open_files}", "--core=0", f"--nproc={config.nproc}", "--",
+        str(OOM_SCORE_ADJ),
+        PRLIMIT, f"--nofile={config.open_files}", "--core=0", f"--nproc={config.nproc}", "--",
         SETPRIV, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
         "--inh-caps=-all", "--",
         BWRAP, *bwrap_arguments(home, config.runtime, config.agent_root,
