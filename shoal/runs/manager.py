@@ -558,8 +558,8 @@ class RunManager:
 
     def _keep_log(self, run: Run) -> None:
         """Keep the finished run for replay, within the count and the bytes kept
-        (oldest out first): each log alone may hold run_log_bytes, and 256 such
-        would be gigabytes that nothing frees."""
+        (the heaviest tenant's oldest out first): each log alone may hold
+        run_log_bytes, and 256 such would be gigabytes that nothing frees."""
         settings = self.settings
         kept = self._finished_logs
         run.kept_bytes = run.held_bytes()
@@ -567,7 +567,20 @@ class RunManager:
         self._finished_bytes += run.kept_bytes
         while kept and (len(kept) > settings.run_logs_kept
                         or self._finished_bytes > settings.run_logs_kept_bytes):
-            self._finished_bytes -= kept.pop(next(iter(kept))).kept_bytes
+            self._finished_bytes -= kept.pop(self._evicted(
+                by_bytes=self._finished_bytes > settings.run_logs_kept_bytes)).kept_bytes
+
+    def _evicted(self, by_bytes: bool) -> str:
+        """The log that goes: the oldest of the tenant holding the most (logs, or
+        bytes when those are over). Oldest of all, one tenant running code in a
+        loop pushed every other tenant's logs out, whose replays then lost their
+        output and tool-call events."""
+        held: dict[str, int] = {}
+        for run in self._finished_logs.values():
+            held[run.tenant] = held.get(run.tenant, 0) + (run.kept_bytes if by_bytes else 1)
+        heaviest = max(held, key=held.__getitem__)
+        return next(run_id for run_id, run in self._finished_logs.items()
+                    if run.tenant == heaviest)
 
 
 def _replayed(body: dict) -> EventLog:

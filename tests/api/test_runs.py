@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from httpx_sse import connect_sse
+from httpx_sse import EventSource, connect_sse
 
 from shoal.runs.broker import Grant, InvalidTools, ToolSpec
 
@@ -391,6 +391,21 @@ def test_a_tenants_stored_run_records_are_held_to_its_bound(server_factory):
         assert kept[-3:] == [200, 200, 200] and 404 in kept[:2], kept
         answer = theirs.get(f"/v1/code-execution/runs/{their_run}")
         assert answer.status_code == 200 and answer.json()["stdout"] == "x" * 300_000 + "\n"
+
+
+def test_one_tenants_runs_do_not_push_out_anothers_kept_logs(server_factory):
+    """Finished runs' logs were kept oldest out first across all tenants: one
+    tenant running code in a loop pushed the others' out, and their replays
+    lost every run.output and tool_call.required event (start and end only)."""
+    server = server_factory(tokens="tok-a=a,tok-b=b", run_logs_kept=3, pool_size=1)
+    with server.client("tok-a") as mine, server.client("tok-b") as theirs:
+        their_run = final(collect(theirs, code="print('theirs', flush=True)"))["runId"]
+        for n in range(6):
+            final(collect(mine, code=f"print({n})"))
+        with theirs.stream("GET", f"/v1/code-execution/runs/{their_run}/events",
+                           headers={"Last-Event-ID": "0"}) as response:
+            replayed = [sse.event for sse in EventSource(response).iter_sse()]
+    assert "run.output" in replayed, replayed
 
 
 def test_after_a_call_goes_unanswered_the_runs_later_calls_fail_at_once(http):
