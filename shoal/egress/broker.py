@@ -371,7 +371,7 @@ class EgressBroker:
             else:
                 kept.append((name, value))
         try:
-            spent = self._tokens.spend(token, grant.container_id)
+            spent = self._tokens.spend(token, grant.tenant, grant.container_id)
         except TokenRefused as refusal:
             raise _Refused(refusal.status, str(refusal)) from None
         kept += [("x-shoal-internal", self._internal_secret), ("x-shoal-tenant", spent.tenant),

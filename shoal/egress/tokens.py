@@ -95,12 +95,14 @@ class ModelTokens:
         given no model access, for the rest of its lifetime."""
         self._tokens.pop(self._key(token), None)
 
-    def spend(self, token: str, container_id: str | None) -> ModelToken:
+    def spend(self, token: str, tenant: str, container_id: str | None) -> ModelToken:
         """The token's grant, with one request taken from its budget, if it may be
-        used from ``container_id``'s sandbox now; TokenRefused otherwise."""
+        used from the sandbox of ``tenant``'s ``container_id`` now; TokenRefused
+        otherwise. The tenant too: clients name containers, so two tenants' may
+        share an id."""
         found = self._tokens.get(self._key(token)) if token.startswith(PREFIX) else None
-        if found is None or container_id is None or not hmac.compare_digest(
-                found.container_id.encode(), container_id.encode()):
+        if (found is None or container_id is None or found.tenant != tenant
+                or not hmac.compare_digest(found.container_id.encode(), container_id.encode())):
             raise TokenRefused(401, "invalid model token for this sandbox")
         if time.time() >= found.expires_at:
             raise TokenRefused(401, "the model token has expired")

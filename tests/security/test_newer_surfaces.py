@@ -426,3 +426,18 @@ def test_one_tenants_slow_callbacks_do_not_hold_another_tenants(security_server_
     finally:
         internal_service.release.set()
         slow.join(60)
+
+
+def test_a_model_token_is_refused_in_another_tenants_container_of_the_same_id():
+    """Clients name their containers, so two tenants may each have a "report":
+    a token was taken in any sandbox whose container had its container's id,
+    and the request then ran as the token's tenant."""
+    from shoal.egress.tokens import ModelTokens, TokenRefused
+
+    tokens = ModelTokens(60, 5)
+    token = tokens.issue("alpha", "report", "user-1")
+    with pytest.raises(TokenRefused) as refused:
+        tokens.spend(token, "beta", "report")
+    assert refused.value.status == 401
+    spent = tokens.spend(token, "alpha", "report")
+    assert (spent.tenant, spent.container_id, spent.requests_left) == ("alpha", "report", 4)
