@@ -228,7 +228,12 @@ class Gateway:
                 state = pending.state
                 answers = [items[index] for index in answering]
                 items = answers + items[answering[-1] + 1:]
-        # A conversation carried on (stored, or paused) keeps its containers.
+        # A conversation carried on (stored, or paused) keeps its containers; a
+        # sandbox's own call carries on only what its code started (one that ran
+        # no code names no container, and may be another user's).
+        if scope is not None and state and state.get("scope") != scope:
+            raise OutOfScope("this conversation was not started by this sandbox's code: code "
+                             "continues only the conversations it started")
         _within(scope, state.get("interpreter_container"))
         _within(scope, state.get("caronte_container"))
         conversation = openai.Conversation(list(state.get("history") or []),
@@ -311,7 +316,7 @@ class Gateway:
                                     user if isinstance(user, str) else None),
                         max_calls=request.body.get("max_tool_calls"),
                         keepalive_seconds=self.settings.stream_ping_seconds)
-        return ResponsesSession(self, tenant, request, adapter, loop, resume)
+        return ResponsesSession(self, tenant, request, adapter, loop, resume, scope)
 
     async def _resume(self, pending: _PausedResponse, answers: list[dict]) -> Paused | None:
         """Hand the client's answers to the paused run; None if it is no longer
@@ -385,6 +390,8 @@ class Gateway:
                  "interpreter_container": conversation.interpreter_container,
                  "caronte_container": conversation.caronte_container,
                  "attached": conversation.attached}
+        if session.scope is not None:
+            state["scope"] = session.scope  # started by a sandbox's code (prepare_responses)
         paused = session.loop.paused
         if paused is not None:
             entry = _PausedResponse(session.tenant, paused.run.id, paused.use,
@@ -421,6 +428,8 @@ class ResponsesSession:
     adapter: openai.OpenAIAdapter
     loop: ToolLoop
     resume: Paused | None
+    # The sandbox whose code made the request with its model token; None for a client.
+    scope: str | None = None
 
     async def events(self) -> AsyncIterator[bytes | None]:
         async for event in self.loop.events(self.resume):

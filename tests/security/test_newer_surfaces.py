@@ -18,7 +18,8 @@ import pytest
 
 from httpx_sse import connect_sse
 
-from tests.gateway.scripted_upstream import ScriptedUpstream, anthropic_turn, text, tool_use
+from tests.gateway.scripted_upstream import (ScriptedUpstream, anthropic_turn, message,
+                                             openai_turn, text, tool_use)
 from tests.security.helpers import execute, new_session
 from tests.security.test_channel_abuse import FORGE
 
@@ -274,6 +275,40 @@ def test_the_codes_model_token_cannot_read_or_delete_stored_responses(gateway_se
         message = _messages(http, tools=[CODE_TOOL], messages=[{"role": "user", "content": "go"}])
     assert message["content"][-1]["text"] == "done", message
     assert json.loads(seen["stdout"])["status"] == "403", seen
+
+
+def test_the_codes_model_token_continues_only_conversations_its_code_started(
+        gateway_server, upstream):
+    """A stored conversation of the tenant that ran no code names no container, so
+    the container check let the code's own call continue it by its id: another
+    user's conversation, sent to the model as the code's context."""
+    upstream.reset()
+    upstream.script(openai_turn(message("the answer to a private question")))
+    with gateway_server.client(ALPHA) as http:
+        stored = http.post("/v1/responses", json={
+            "model": "m", "input": "a private question",
+            "tools": [{"type": "caronte:code_execution"}]})
+        assert stored.status_code == 200, stored.text
+        seen: dict = {}
+        upstream.reset()
+        command = _inner({"model": "m", "input": "from inside",
+                          "previous_response_id": stored.json()["id"],
+                          "tools": [{"type": "caronte:code_execution"}]},
+                         "POST", "/v1/responses")
+        outer = _outer_reply(command, seen)
+
+        def reply(body):
+            if "input" in body:  # the code's own call, had it gone through
+                return openai_turn(message("continued"))
+            return outer(body)
+        upstream.script(*[reply] * 4)
+        answer = _messages(http, tools=[CODE_TOOL], messages=[{"role": "user", "content": "go"}])
+    assert answer["content"][-1]["text"] == "done", answer
+    called = json.loads(seen["stdout"])
+    assert called["status"] == "403", called
+    assert "message" in json.loads(called["text"])["error"], called  # OpenAI's shape
+    assert not any("private question" in json.dumps(request.body)
+                   for request in upstream.requests), "the conversation reached the model"
 
 
 # -- programmatic tools' callbacks ----------------------------------------------------------------
