@@ -11,6 +11,7 @@ the init's namespaces.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -157,6 +158,23 @@ def _zygote_pids() -> list[int]:
     return found
 
 
+@contextlib.asynccontextmanager
+async def _own_pool(tmp_path, base: int, run_dir: Path | None = None, **given):
+    """A pool with a zygote of its own, to kill, stop or inspect. Its run directory
+    is under /run/shoal-test unless given: the zygote stages its root on /tmp."""
+    run_dir = run_dir or Path("/run/shoal-test") / f"zygote-{uuid.uuid4().hex[:8]}"
+    pool = SandboxPool(Settings(**{
+        "pool_size": 0, "data_dir": tmp_path / "data", "run_dir": run_dir,
+        "uid_base": uid(base), "uid_count": 16, "launcher": "zygote", **given}))
+    await pool.start()
+    try:
+        assert pool._zygote is not None, "no zygote started"
+        yield pool
+    finally:
+        await pool.close()
+        subprocess.run(["rm", "-rf", str(run_dir)], check=False)
+
+
 async def test_a_volume_unmounted_elsewhere_is_not_held_by_a_zygote(tmp_path):
     """Another server's volume, mounted when our zygote starts, is released when
     that server unmounts it: the zygote's namespace copied none of the host's mounts."""
@@ -164,41 +182,30 @@ async def test_a_volume_unmounted_elsewhere_is_not_held_by_a_zygote(tmp_path):
     image, mount_point = tmp_path / "other.img", run_dir / "other-volume"
     other = Volume(image, mount_point)
     other.create(64 * 1024 * 1024)
-    settings = Settings(pool_size=0, data_dir=tmp_path / "data", run_dir=run_dir,
-                        uid_base=uid(280_000), uid_count=16, launcher="zygote")
-    pool = SandboxPool(settings)
-    await pool.start()
-    try:
-        # This pool's zygote itself (its forks run the same command line, with
-        # their own volumes mounted: they are not what this test is about).
-        assert pool._zygote is not None, "no zygote started"
-        zygote = pool._zygote._popen.pid
-        assert zygote in _zygote_pids()
-        mountinfo = Path(f"/proc/{zygote}/mountinfo").read_text()
-        assert str(mount_point) not in mountinfo
-        assert "/dev/loop" not in mountinfo, "the zygote holds a copy of a loop mount"
-        other.destroy()
-        attached = subprocess.run(["losetup", "-j", str(image)], capture_output=True, text=True)
-        assert attached.stdout.strip() == "", f"still attached: {attached.stdout}"
-    finally:
-        await pool.close()
-        if mount_point.is_mount():  # the test failed before its own unmount
+    async with _own_pool(tmp_path, 280_000, run_dir=run_dir) as pool:
+        try:
+            # This pool's zygote itself (its forks run the same command line, with
+            # their own volumes mounted: they are not what this test is about).
+            zygote = pool._zygote._popen.pid
+            assert zygote in _zygote_pids()
+            mountinfo = Path(f"/proc/{zygote}/mountinfo").read_text()
+            assert str(mount_point) not in mountinfo
+            assert "/dev/loop" not in mountinfo, "the zygote holds a copy of a loop mount"
             other.destroy()
-        subprocess.run(["rm", "-rf", str(run_dir)], check=False)
+            attached = subprocess.run(["losetup", "-j", str(image)], capture_output=True,
+                                      text=True)
+            assert attached.stdout.strip() == "", f"still attached: {attached.stdout}"
+        finally:
+            if mount_point.is_mount():  # the test failed before its own unmount
+                other.destroy()
 
 
 async def test_the_preloaded_libraries_first_use_is_paid_by_the_zygote(tmp_path):
     """A first chart in a fresh sandbox costs what a later one does: the zygote
     drew and saved one before forking (the font, Agg, pandas' plotting backend),
     and left no figure or data behind for the sandbox to see."""
-    run_dir = Path("/run/shoal-test") / f"zygote-{uuid.uuid4().hex[:8]}"
-    settings = Settings(pool_size=1, data_dir=tmp_path / "data", run_dir=run_dir,
-                        uid_base=uid(281_000), uid_count=16, launcher="zygote",
-                        preload_modules="numpy,pandas,matplotlib.pyplot")
-    pool = SandboxPool(settings)
-    await pool.start()
-    try:
-        assert pool._zygote is not None, "no zygote started"
+    async with _own_pool(tmp_path, 281_000, pool_size=1,
+                         preload_modules="numpy,pandas,matplotlib.pyplot") as pool:
         # The warm-up itself ran through: a failure would leave part of it unpaid.
         assert "warming" not in pool._zygote.diagnostics(), pool._zygote.diagnostics()
         sandbox = await pool.lease()
@@ -211,28 +218,19 @@ async def test_the_preloaded_libraries_first_use_is_paid_by_the_zygote(tmp_path)
             assert result.stdout == ("True True\n[] ['ToolError', 'plt', 'sys']\n"), result.stderr
         finally:
             await sandbox.close()
-    finally:
-        await pool.close()
-        subprocess.run(["rm", "-rf", str(run_dir)], check=False)
 
 
 async def test_the_zygote_runs_with_its_run_directory_under_tmp(tmp_path):
     """The zygote builds its root on a staging point in its own mount namespace;
     one that holds the run directory (where the agent's copy lives) would hide it,
     and the server would fall back to bubblewrap."""
-    settings = Settings(pool_size=1, data_dir=tmp_path / "data", run_dir=tmp_path / "run",
-                        uid_base=uid(282_000), uid_count=8, launcher="zygote")
-    pool = SandboxPool(settings)
-    await pool.start()
-    try:
+    async with _own_pool(tmp_path, 282_000, run_dir=tmp_path / "run", pool_size=1) as pool:
         assert pool.launcher == "zygote"
         sandbox = await pool.lease()
         try:
             assert (await sandbox.run_python("print('up')")).stdout == "up\n"
         finally:
             await sandbox.close()
-    finally:
-        await pool.close()
 
 
 async def test_a_zygote_that_dies_is_started_again(tmp_path):
@@ -241,13 +239,7 @@ async def test_a_zygote_that_dies_is_started_again(tmp_path):
     with a broken pipe (a 500), the pool never warmed again, and the server made
     no sandbox until it was restarted. Its forks die with it (as with the
     server: nothing it forked outlives it); their next call restarts them."""
-    run_dir = Path("/run/shoal-test") / f"zygote-{uuid.uuid4().hex[:8]}"
-    settings = Settings(pool_size=0, data_dir=tmp_path / "data", run_dir=run_dir,
-                        uid_base=uid(282_000), uid_count=16, launcher="zygote")
-    pool = SandboxPool(settings)
-    await pool.start()
-    try:
-        assert pool._zygote is not None, "no zygote started"
+    async with _own_pool(tmp_path, 282_000) as pool:
         before = await pool.lease()
         assert (await before.run_python("open('kept.txt', 'w').write('kept')")).return_code == 0
         dead = pool._zygote._popen.pid
@@ -267,21 +259,12 @@ async def test_a_zygote_that_dies_is_started_again(tmp_path):
         finally:
             await after.close()
         await before.close()
-    finally:
-        await pool.close()
-        subprocess.run(["rm", "-rf", str(run_dir)], check=False)
 
 
 async def test_a_zygote_whose_builder_died_is_started_again(tmp_path):
     """The builder (the zygote's root child that makes every sandbox's walls)
     killed, the zygote lived on and refused every launch for good."""
-    run_dir = Path("/run/shoal-test") / f"zygote-{uuid.uuid4().hex[:8]}"
-    settings = Settings(pool_size=0, data_dir=tmp_path / "data", run_dir=run_dir,
-                        uid_base=uid(283_000), uid_count=16, launcher="zygote")
-    pool = SandboxPool(settings)
-    await pool.start()
-    try:
-        assert pool._zygote is not None, "no zygote started"
+    async with _own_pool(tmp_path, 283_000) as pool:
         first = await pool.lease()
         await first.close()
         zygote = pool._zygote._popen.pid
@@ -294,9 +277,6 @@ async def test_a_zygote_whose_builder_died_is_started_again(tmp_path):
         finally:
             await sandbox.close()
         assert pool.stats.zygote_restarts == 1 and pool._zygote._popen.pid != zygote
-    finally:
-        await pool.close()
-        subprocess.run(["rm", "-rf", str(run_dir)], check=False)
 
 
 def _children_of(pid: int) -> list[int]:
