@@ -150,7 +150,8 @@ class SandboxPool:
             log.warning("the zygote launcher cannot run on this host (%s): sandboxes start with "
                         "bubblewrap", "; ".join(found))
             return None
-        zygote = Zygote(runtime, agent_root, self.settings.preload, self.egress_dir)
+        zygote = Zygote(runtime, agent_root, self.settings.preload, self.egress_dir,
+                        self.settings.zygote_spawn_seconds)
         try:
             await zygote.start()
             self._zygote = zygote
@@ -180,7 +181,7 @@ class SandboxPool:
             log.error("the zygote stopped (exit status %s; last words: %s): starting another",
                       status, last_words[-500:] or "none")
             zygote = Zygote(self._config.runtime, self._config.agent_root, self.settings.preload,
-                            self.egress_dir)
+                            self.egress_dir, self.settings.zygote_spawn_seconds)
             try:
                 await zygote.start()
             except ZygoteFailed as exc:

@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from . import seccomp
@@ -25,7 +26,8 @@ from .mounts import (AGENT_ROOT, EXTERNAL, OPENAI_DATA, OUTPUTS, RUNTIME, SANDBO
 from .mounts import EGRESS_DIR, MASKED_PROC, OOM_SCORE_ADJ, egress_env, etc_entries
 
 READY_TIMEOUT_SECONDS = 120.0
-# A spawn's answer: the builder gives a sandbox's walls 10 s, the fork is quick.
+# A spawn's answer, by default: the builder gives a sandbox's walls 10 s (and
+# answers with an error past that), the fork is quick.
 SPAWN_TIMEOUT_SECONDS = 30.0
 # The zygote's own root, built from nothing in its private mount namespace: only
 # what it and its forks read (/usr, the curated /etc, the runtime, the agent, a
@@ -98,7 +100,9 @@ class ZygoteFailed(RuntimeError):
 
 class Zygote:
     def __init__(self, runtime: Path, agent_root: Path, preload: list[str],
-                 egress_dir: Path | None = None) -> None:
+                 egress_dir: Path | None = None,
+                 spawn_seconds: float = SPAWN_TIMEOUT_SECONDS) -> None:
+        self._spawn_seconds = spawn_seconds
         self._egress_dir = egress_dir
         self._runtime = runtime
         self._agent_root = agent_root
@@ -113,8 +117,10 @@ class Zygote:
         self._send_lock = asyncio.Lock()
         # It closed its socket: it died (an OOM kill picks a big process, and the
         # zygote holds every preloaded library). Its sandboxes live on; only new
-        # ones need another zygote (SandboxPool._live_zygote).
+        # ones need another zygote (SandboxPool._live_zygote). So does one
+        # alive but wedged: a spawn met with silence, not even another's answer.
         self.stopped = False
+        self._heard_at = time.monotonic()  # its last message of any kind
 
     @property
     def alive(self) -> bool:
@@ -157,6 +163,7 @@ class Zygote:
             return
         except OSError:
             message = b""
+        self._heard_at = time.monotonic()
         if not message:
             self.stopped = True
             asyncio.get_running_loop().remove_reader(self._socket)
@@ -201,12 +208,21 @@ class Zygote:
             raise ZygoteFailed("the zygote stopped answering")
         request = next(self._requests)
         answer = self._answers[request] = asyncio.get_running_loop().create_future()
+        asked_at = time.monotonic()
         try:
             async with self._send_lock:  # one message at a time on the socket
                 await asyncio.to_thread(self._request, {**spec, "request": request},
                                         channel_fd, home)
-            reply = await asyncio.wait_for(answer, SPAWN_TIMEOUT_SECONDS)
+            reply = await asyncio.wait_for(answer, self._spawn_seconds)
         except asyncio.TimeoutError:
+            if self._heard_at < asked_at:
+                # Nothing from it since: it is stopped (SIGSTOP), deadlocked, or
+                # its builder hung (the zygote answers after the builder). Kept,
+                # every launch waited this long and failed, for good; its own
+                # forks (which die with it) are lost either way when it is.
+                self.stopped = True
+                raise ZygoteFailed(f"the zygote answered nothing in {self._spawn_seconds:g} s: "
+                                   "it is replaced") from None
             raise ZygoteFailed("the zygote did not answer a spawn") from None
         finally:
             self._answers.pop(request, None)

@@ -279,6 +279,29 @@ async def test_a_zygote_whose_builder_died_is_started_again(tmp_path):
         assert pool.stats.zygote_restarts == 1 and pool._zygote._popen.pid != zygote
 
 
+async def test_a_wedged_zygote_is_replaced(tmp_path):
+    """Alive but silent (stopped, deadlocked, or its builder hung: it answers
+    after the builder), the zygote kept its place: every launch waited a whole
+    spawn's time for it, failed, and the next did the same, for good. Silent
+    through a spawn's whole wait, it is replaced, as a dead one is."""
+    async with _own_pool(tmp_path, 284_000, zygote_spawn_seconds=2) as pool:
+        first = await pool.lease()  # it answers while it is not stopped
+        await first.close()
+        wedged = pool._zygote._popen.pid
+        os.kill(wedged, signal.SIGSTOP)
+        try:
+            sandbox = await asyncio.wait_for(pool.lease(), 120)  # a launch: the pool was empty
+        finally:
+            if Path(f"/proc/{wedged}").exists():
+                os.kill(wedged, signal.SIGCONT)  # not replaced: the test failed
+        try:
+            assert (await sandbox.run_python("print('forked anew')")).stdout == "forked anew\n"
+        finally:
+            await sandbox.close()
+        assert pool.stats.zygote_restarts == 1 and pool._zygote._popen.pid != wedged
+        assert wedged not in _zygote_pids(), "the wedged zygote was left behind"
+
+
 def _children_of(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as handle:
         return [int(child) for child in handle.read().split()]
