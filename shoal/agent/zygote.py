@@ -58,7 +58,6 @@ CLONE_NEWUSER = 0x10000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
-_PTYS = 32  # ptys one sandbox may hold (see _build_root)
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
 PR_SET_CHILD_SUBREAPER, SECCOMP_MODE_FILTER, PR_CAPBSET_DROP, PR_SET_DUMPABLE = 36, 2, 24, 4
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}[platform.machine()]
@@ -144,12 +143,10 @@ def _build_root(spec: dict, home_tree_fd: int) -> None:
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{root}/dev/{name}")
     # A private devpts instance, as bubblewrap's --dev gives: ptys work, and
-    # they are the sandbox's own. At most _PTYS of them: every devpts instance
-    # but the host's draws from one host-wide count (kernel.pty.max less its
-    # reserve), and one sandbox took all 3,070, leaving none for the others.
+    # they are the sandbox's own, at most spec["ptys"] of them (shoal.sandbox.ptys).
     os.makedirs(root + "/dev/pts")
     _mount("devpts", root + "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
-           f"newinstance,ptmxmode=0666,mode=620,max={_PTYS}")
+           f"newinstance,ptmxmode=0666,mode=620,max={int(spec['ptys'])}")
     os.symlink("pts/ptmx", root + "/dev/ptmx")
     _tmpfs(root + "/dev/shm", spec["tmp_size"])
     _tmpfs(root + "/tmp", spec["tmp_size"])

@@ -29,6 +29,7 @@ from . import seccomp
 from .cgroups import Cgroup
 from .channel import Channel, ChannelClosed
 from .mounts import AGENT_ROOT, OOM_SCORE_ADJ, RUNTIME, SandboxHome, bwrap_arguments
+from .ptys import PtyCapFailed, cap_bwrap_ptys
 from .uids import sandbox_uid
 from .zygote import Zygote, ZygoteFailed, spawn_spec
 
@@ -155,6 +156,9 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
     try:
         channel = await Channel.open(host_end)
         hello = await asyncio.wait_for(channel.receive(), READY_TIMEOUT_SECONDS)
+        if popen is not None:
+            # Its agent runs nothing until asked: capped before it is handed out.
+            await asyncio.to_thread(_cap_ptys, popen.pid)
     except BaseException as exc:
         if channel is not None:
             channel.close()
@@ -177,6 +181,17 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
     agent_pid = hello.get("pid") if isinstance(hello.get("pid"), int) else 0
     return SandboxProcess(popen=popen, channel=channel, agent_pid=agent_pid, outer_pid=outer_pid,
                           forked_agent=forked_agent, errors_fd=errors_read)
+
+
+def _cap_ptys(bwrap_pid: int) -> None:
+    """bubblewrap's devpts takes no limit of its own (shoal.sandbox.ptys)."""
+    inits = _children(bwrap_pid)
+    if len(inits) != 1:
+        raise LaunchFailed(f"bubblewrap has {len(inits)} children, not its sandbox's init")
+    try:
+        cap_bwrap_ptys(inits[0])
+    except (PtyCapFailed, OSError, subprocess.SubprocessError) as exc:
+        raise LaunchFailed(str(exc)) from None
 
 
 def _children(pid: int) -> list[int]:

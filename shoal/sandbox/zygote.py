@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from . import seccomp
+from .ptys import PTYS
 from .mounts import (AGENT_ROOT, EXTERNAL, OPENAI_DATA, OUTPUTS, RUNTIME, SANDBOX_ENV, SKILLS, UPLOADS,
                      WORKSPACE, SandboxHome)
 from .mounts import EGRESS_DIR, MASKED_PROC, OOM_SCORE_ADJ, egress_env, etc_entries
@@ -312,6 +313,7 @@ def spawn_spec(home: SandboxHome, uid: int, cgroup_procs: list[str], tmp_size_by
         "directories": directories,
         "cgroup_procs": cgroup_procs,
         "tmp_size": tmp_size_bytes,
+        "ptys": PTYS,
         "nofile": open_files,
         "nproc": nproc,
         "env": env,
