@@ -50,6 +50,7 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
             limits=httpx.Limits(max_connections=settings.upstream_max_connections,
                                 max_keepalive_connections=min(64, settings.upstream_max_connections)))
         app.state.gateway = Gateway(settings, manager, run_manager, app.state.upstream_client)
+        await app.state.gateway.start()
         reservations = getattr(app.state, "reservations", None)
         if reservations is not None:
             await reservations.start()
@@ -74,6 +75,7 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
                 closing.push_async_callback(reservations.close)
             closing.push_async_callback(manager.close)
             closing.push_async_callback(run_manager.close)
+            closing.push_async_callback(app.state.gateway.close)
 
     app = FastAPI(title="Shoal", version=__version__, lifespan=lifespan,
                   summary="Isolated, stateful code execution for LLM gateways",

@@ -211,7 +211,7 @@ class Settings(BaseSettings):
     skills_dir: Path | None = Field(None, description="Folder of skills, one folder each; a "
                                     "request's container.skills chooses which are mounted "
                                     "read-only under /mnt/skills/.")
-    response_retention_seconds: int = Field(7 * 86400, ge=60, description="How long stored "
+    response_retention_seconds: int = Field(7 * 86400, ge=1, description="How long stored "
                                             "/v1/responses objects stay readable (for "
                                             "previous_response_id).")
     tenant_max_stored_response_bytes: int = Field(

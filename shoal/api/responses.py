@@ -110,6 +110,6 @@ async def get_response(response_id: str, request: Request,
 async def delete_response(response_id: str, request: Request,
                           tenant: str = Depends(tenant_of)) -> Response:
     gateway = request.app.state.gateway
-    if not await gateway.sessions.metadata.delete_response(tenant, response_id):
+    if not await gateway.delete_response(tenant, response_id):
         raise BadRequest(404, f"No response with id '{response_id}' found.")
     return json_response({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -107,6 +107,40 @@ class Gateway:
         # Requests in flight by tenant: a model call may hold its connection for
         # minutes, and one tenant's many must not hold every other tenant's too.
         self._in_flight: dict[str, int] = {}
+        self._sweeper: asyncio.Task | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+
+    async def _sweep_forever(self) -> None:
+        """Stored responses past response_retention_seconds are deleted: none
+        ever was, and each stayed readable, continuable and counted against its
+        tenant's quota for good. Swept at start too (a server down for a while)."""
+        retention = self.settings.response_retention_seconds
+        while True:
+            try:
+                removed = await self.sessions.metadata.delete_responses_before(
+                    time.time() - retention)
+                if removed:
+                    log.info("forgot %d stored responses older than their retention", removed)
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("the stored-response sweep failed; retrying next round")
+            await asyncio.sleep(min(60.0, max(1.0, retention / 2)))
+
+    async def _kept(self, tenant: str, response_id: str) -> ResponseRecord | None:
+        """A stored response, unless its retention is over: what the next sweep
+        deletes is gone already."""
+        stored = await self.sessions.metadata.get_response(tenant, response_id)
+        if stored is None or (stored.created_at
+                              < time.time() - self.settings.response_retention_seconds):
+            return None
+        return stored
 
     def hold(self, tenant: str) -> Callable[[], None]:
         """Count one request of ``tenant`` in flight until the returned function is
@@ -210,7 +244,7 @@ class Gateway:
         pending = None
         items = list(request.items)
         if request.previous_response_id is not None:
-            stored = await self.sessions.metadata.get_response(tenant, request.previous_response_id)
+            stored = await self._kept(tenant, request.previous_response_id)
             if stored is None:
                 raise UnknownResponse(f"Previous response with id "
                                       f"'{request.previous_response_id}' not found.")
@@ -408,11 +442,14 @@ class Gateway:
         """Whether the request continues a response kept here: the upstream never
         kept it (the loop's calls are store:false), so it cannot be passed through."""
         previous = body.get("previous_response_id")
-        return isinstance(previous, str) and (
-            await self.sessions.metadata.get_response(tenant, previous)) is not None
+        return isinstance(previous, str) and await self._kept(tenant, previous) is not None
+
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        return (await self._kept(tenant, response_id) is not None
+                and await self.sessions.metadata.delete_response(tenant, response_id))
 
     async def stored_response(self, tenant: str, response_id: str) -> dict:
-        stored = await self.sessions.metadata.get_response(tenant, response_id)
+        stored = await self._kept(tenant, response_id)
         if stored is None:
             raise UnknownResponse(f"No response with id '{response_id}' found.")
         return stored.body

@@ -1550,6 +1550,43 @@ def test_stored_response_is_retrievable_unless_store_false(upstream, openai_clie
                                        previous_response_id=unstored.id)
 
 
+def test_stored_responses_are_forgotten_when_their_retention_ends(upstream, gateway_factory):
+    """response_retention_seconds was read by nothing: every stored response
+    stayed readable and continuable, and counted against its tenant's quota, for
+    good. Past it, a response is gone at once (retrieve, continue, delete: 404),
+    and the sweep deletes it, which gives its tenant's quota back."""
+    server = gateway_factory(response_retention_seconds=3, tenant_max_stored_response_bytes=1_000)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=CLIENT_TOKEN, max_retries=0)
+    upstream.script(openai_turn(message("Noted.")))
+    kept = client.responses.create(model=MODEL, input="Remember " + "p" * 2_000, tools=[CI_AUTO])
+    stored_at = time.monotonic()
+    assert client.responses.retrieve(kept.id).output_text == "Noted."
+    with pytest.raises(openai.RateLimitError):  # it counts against the quota
+        client.responses.create(model=MODEL, input="Hi", tools=[CI_AUTO])
+
+    time.sleep(max(0.0, stored_at + 3.5 - time.monotonic()))
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="And?", tools=[CI_AUTO], store=False,
+                                previous_response_id=kept.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(kept.id)
+    assert upstream.requests == [upstream.requests[0]]  # the model was asked once only
+
+    # Swept (every 1.5 s with a 3 s retention): the tenant's quota is free again.
+    upstream.script(openai_turn(message("Room again.")))
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            answer = client.responses.create(model=MODEL, input="Hi", tools=[CI_AUTO], store=True)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "the expired response was never swept"
+            time.sleep(0.2)
+    assert answer.output_text == "Room again."
+
+
 def test_stored_responses_are_held_to_the_tenants_quota(upstream, gateway_factory):
     """Every stored response keeps the conversation so far: a tenant continuing one
     chain again and again stored without bound. Past its quota a request that
