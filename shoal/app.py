@@ -49,7 +49,8 @@ def create_app(settings: Settings, manager: SessionManager | None = None) -> Fas
             follow_redirects=False, trust_env=False,
             limits=httpx.Limits(max_connections=settings.upstream_max_connections,
                                 max_keepalive_connections=min(64, settings.upstream_max_connections)))
-        app.state.gateway = Gateway(settings, manager, run_manager, app.state.upstream_client)
+        app.state.gateway = Gateway(settings, manager, run_manager, app.state.upstream_client,
+                                    tokens.tenants)
         await app.state.gateway.start()
         reservations = getattr(app.state, "reservations", None)
         if reservations is not None:

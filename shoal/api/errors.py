@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
 from shoal.gateway.anthropic import InvalidMessagesRequest
 from shoal.gateway.openai import InvalidResponsesRequest
+from shoal.gateway.passed import NotThisSandbox, NotYours
 from shoal.gateway.service import OutOfScope, UnknownResponse
 from shoal.runs import CallbackNotAllowed, InvalidTools, RunConflict, UnknownRun, UnknownToolCall
 from shoal.sandbox import DiskFull, PoolBusy, UidsExhausted
@@ -240,7 +241,9 @@ def install(app: FastAPI) -> None:
     handler(UnknownRun, 404)()
     handler(UnknownToolCall, 404)()
     handler(UnknownResponse, 404)()
+    handler(NotYours, 404)()
     handler(OutOfScope, 403)()
+    handler(NotThisSandbox, 403)()
     handler(RunConflict, 409)()
     handler(InvalidContainer, 422)()
     handler(InvalidTools, 422)()

@@ -55,16 +55,27 @@ async def create_response(request: Request, tenant: str = Depends(tenant_of)) ->
         upstream = gateway.upstream("openai")
     except UpstreamNotConfigured as exc:
         raise BadRequest(501, str(exc)) from None
-    return await held(gateway, tenant, lambda: _serve(request, tenant, gateway, upstream, parsed))
+    if parsed is None:
+        if body.get("conversation") is not None and (
+                gateway.passed.shared or model_scope(request) is not None):
+            raise BadRequest(400, "conversation is not served here: the upstream's "
+                                  "conversations are the operator's, whoever made them; "
+                                  "continue a response with previous_response_id",
+                             param="conversation")
+        await gateway.passed.check(tenant, model_scope(request), body)
+    return await held(gateway, tenant, lambda: _serve(request, tenant, gateway, upstream, parsed,
+                                                      body))
 
 
-async def _serve(request: Request, tenant: str, gateway, upstream, parsed) -> Response:
+async def _serve(request: Request, tenant: str, gateway, upstream, parsed,
+                 body: dict) -> Response:
     if parsed is None:
         try:
-            return await unless_gone(request, upstream.forward(request, "/v1/responses",
-                                                               await request.body()))
+            answer = await unless_gone(request, upstream.forward(request, "/v1/responses",
+                                                                 await request.body()))
         except UpstreamError as exc:
             return upstream_error(request, exc)
+        return await gateway.passed.noted(answer, tenant, model_scope(request), body)
     headers = {k.lower(): v for k, v in request.headers.items()}
     session = await gateway.prepare_responses(tenant, parsed, headers, scope=model_scope(request))
     events = session.events()

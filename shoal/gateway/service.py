@@ -28,6 +28,7 @@ from shoal.storage import ContainerRecord, ResponseRecord
 
 from . import anthropic, openai
 from .engine import Paused, ToolLoop, ToolUse, for_model
+from .passed import PassedResponses
 from .upstream import Upstream, UpstreamNotConfigured
 
 log = logging.getLogger("shoal.gateway")
@@ -89,8 +90,9 @@ def _model_of(body: dict) -> str | None:
 
 class Gateway:
     def __init__(self, settings: Settings, sessions: SessionManager, runs: RunManager,
-                 client: httpx.AsyncClient) -> None:
+                 client: httpx.AsyncClient, tenants: int = 1) -> None:
         self.settings = settings
+        self.passed = PassedResponses(sessions.metadata, tenants)
         self.sessions = sessions
         self.runs = runs
         self._anthropic = _upstream("anthropic", settings.upstream_anthropic_url,
@@ -121,7 +123,8 @@ class Gateway:
     async def _sweep_forever(self) -> None:
         """Stored responses past response_retention_seconds are deleted: none
         ever was, and each stayed readable, continuable and counted against its
-        tenant's quota for good. Swept at start too (a server down for a while)."""
+        tenant's quota for good; so are the owners of passed-through responses
+        the upstream no longer keeps. Swept at start too (a server down for a while)."""
         retention = self.settings.response_retention_seconds
         while True:
             try:
@@ -129,6 +132,7 @@ class Gateway:
                     time.time() - retention)
                 if removed:
                     log.info("forgot %d stored responses older than their retention", removed)
+                await self.passed.sweep()
             except Exception:  # noqa: BLE001 - the next round tries again
                 log.exception("the stored-response sweep failed; retrying next round")
             await asyncio.sleep(min(60.0, max(1.0, retention / 2)))

@@ -8,15 +8,15 @@ chosen here, in one place, so other backends slot in without touching callers.
 from pathlib import Path
 
 from .filestore import FileStore, LocalFileStore, StoreUnavailable, VolumeMissing
-from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
-                       UploadRecord)
+from .metadata import (ContainerRecord, FileRecord, MetadataStore, PassedResponse, ResponseRecord,
+                       RunRecord, UploadRecord)
 from .sqlite import SqliteMetadataStore, data_dir_holder, schema_problem
 
 METADATA_FILE = "shoal.sqlite3"
 
 __all__ = [
     "ContainerRecord", "FileRecord", "FileStore", "LocalFileStore", "MetadataStore",
-    "ResponseRecord", "RunRecord", "SqliteMetadataStore", "StoreUnavailable", "UploadRecord",
+    "PassedResponse", "ResponseRecord", "RunRecord", "SqliteMetadataStore", "StoreUnavailable", "UploadRecord",
     "VolumeMissing",
     "data_dir_holder",
     "files_problem", "metadata_problem",

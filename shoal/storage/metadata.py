@@ -90,6 +90,18 @@ class ResponseRecord:
     state: dict
 
 
+@dataclass(frozen=True)
+class PassedResponse:
+    """A response the upstream model keeps, made by a request passed through
+    here: whose it is. The operator's one upstream account keeps every
+    tenant's, and answers anyone who names its id."""
+
+    id: str
+    tenant: str
+    scope: str | None  # the sandbox whose code made it; None for a client
+    created_at: float
+
+
 class MetadataStore(abc.ABC):
     # Whether other front ends write this store too: what one front end caches
     # of it may then be stale, and the store is read where that matters.
@@ -233,3 +245,14 @@ class MetadataStore(abc.ABC):
 
     @abc.abstractmethod
     async def delete_responses_before(self, created_before: float) -> int: ...
+
+    # -- responses passed through ----------------------------------------------------------
+    @abc.abstractmethod
+    async def note_passed_response(self, owner: PassedResponse) -> None:
+        """Record whose it is (the first record of an id stands)."""
+
+    @abc.abstractmethod
+    async def passed_response(self, response_id: str) -> PassedResponse | None: ...
+
+    @abc.abstractmethod
+    async def delete_passed_responses_before(self, created_before: float) -> int: ...

@@ -32,8 +32,8 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from .filestore import StoreUnavailable
-from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
-                       UploadRecord)
+from .metadata import (ContainerRecord, FileRecord, MetadataStore, PassedResponse, ResponseRecord,
+                       RunRecord, UploadRecord)
 # One schema, one version sequence, one mapping of rows to records, for both stores.
 from .sqlite import (_FILE_COLUMNS, _MIGRATIONS, _PLACED_ON, _TAKE_OVER, _TRIM_RUNS,
                      SCHEMA_VERSION, SchemaTooNew, _container, _file, _response_texts, _upload)
@@ -421,5 +421,21 @@ class PostgresMetadataStore(MetadataStore):
 
     async def delete_responses_before(self, created_before: float) -> int:
         status = await self.pool.execute("DELETE FROM responses WHERE created_at < $1",
+                                         created_before)
+        return int(status.split()[-1])
+
+    # -- responses passed through ----------------------------------------------------------
+    async def note_passed_response(self, owner: PassedResponse) -> None:
+        await self.pool.execute(
+            "INSERT INTO passed_responses (id, tenant, scope, created_at) VALUES ($1,$2,$3,$4) "
+            "ON CONFLICT (id) DO NOTHING", owner.id, owner.tenant, owner.scope, owner.created_at)
+
+    async def passed_response(self, response_id: str) -> PassedResponse | None:
+        row = await self.pool.fetchrow("SELECT id, tenant, scope, created_at FROM "
+                                       "passed_responses WHERE id = $1", response_id)
+        return PassedResponse(*row) if row is not None else None
+
+    async def delete_passed_responses_before(self, created_before: float) -> int:
+        status = await self.pool.execute("DELETE FROM passed_responses WHERE created_at < $1",
                                          created_before)
         return int(status.split()[-1])

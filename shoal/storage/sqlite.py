@@ -18,8 +18,8 @@ from pathlib import Path
 
 import aiosqlite
 
-from .metadata import (ContainerRecord, FileRecord, MetadataStore, ResponseRecord, RunRecord,
-                       UploadRecord)
+from .metadata import (ContainerRecord, FileRecord, MetadataStore, PassedResponse, ResponseRecord,
+                       RunRecord, UploadRecord)
 
 # The schema's history, oldest first: a database is at version N (SQLite's
 # user_version) once the first N steps ran. A step is never edited once
@@ -118,6 +118,18 @@ _MIGRATIONS = (
     """
     ALTER TABLE runs ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
     CREATE INDEX IF NOT EXISTS runs_tenant_age ON runs (tenant, created_at, bytes);
+    """,
+    # 8: whose is each response the upstream keeps that a request passed through
+    # made (the operator's one upstream account keeps every tenant's): the
+    # tenant, and the sandbox whose code made it (scope; NULL for a client).
+    """
+    CREATE TABLE IF NOT EXISTS passed_responses (
+        id TEXT NOT NULL PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        scope TEXT,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS passed_responses_age ON passed_responses (created_at);
     """,
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -493,6 +505,24 @@ class SqliteMetadataStore(MetadataStore):
 
     async def delete_responses_before(self, created_before: float) -> int:
         cursor = await self.db.execute("DELETE FROM responses WHERE created_at < ?", (created_before,))
+        await self.db.commit()
+        return cursor.rowcount
+
+
+    # -- responses passed through ----------------------------------------------------------
+    async def note_passed_response(self, owner: PassedResponse) -> None:
+        await self._write("INSERT OR IGNORE INTO passed_responses (id, tenant, scope, created_at) "
+                          "VALUES (?,?,?,?)", (owner.id, owner.tenant, owner.scope,
+                                               owner.created_at))
+
+    async def passed_response(self, response_id: str) -> PassedResponse | None:
+        rows = await self._rows("SELECT id, tenant, scope, created_at FROM passed_responses "
+                                "WHERE id = ?", (response_id,))
+        return PassedResponse(*rows[0]) if rows else None
+
+    async def delete_passed_responses_before(self, created_before: float) -> int:
+        cursor = await self.db.execute("DELETE FROM passed_responses WHERE created_at < ?",
+                                       (created_before,))
         await self.db.commit()
         return cursor.rowcount
 

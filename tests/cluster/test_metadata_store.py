@@ -16,8 +16,8 @@ import time
 import asyncpg
 import pytest
 
-from shoal.storage import (ContainerRecord, FileRecord, ResponseRecord, RunRecord,
-                           SqliteMetadataStore, UploadRecord)
+from shoal.storage import (ContainerRecord, FileRecord, PassedResponse, ResponseRecord,
+                           RunRecord, SqliteMetadataStore, UploadRecord)
 from shoal.storage.postgres import PostgresMetadataStore
 from shoal.storage.sqlite import SCHEMA_VERSION, SchemaTooNew
 
@@ -223,6 +223,21 @@ async def test_files_uploads_runs_responses(store):
     assert await store.delete_response("alpha", "resp_1") is True
     await store.put_response(ResponseRecord("alpha", "resp_2", old, {}, {}))
     assert await store.delete_responses_before(old + 1) == 1
+
+
+async def test_a_passed_through_responses_first_owner_stands(store):
+    old, new = time.time() - 100, time.time()
+    mine = PassedResponse("resp_up_1", "alpha", None, new)
+    await store.note_passed_response(mine)
+    await store.note_passed_response(PassedResponse("resp_up_1", "beta", "cnt_x", new))
+    assert await store.passed_response("resp_up_1") == mine
+    coded = PassedResponse("resp_up_2", "alpha", "cnt_1", old)
+    await store.note_passed_response(coded)
+    assert await store.passed_response("resp_up_2") == coded
+    assert await store.passed_response("resp_unknown") is None
+    assert await store.delete_passed_responses_before(old + 1) == 1
+    assert await store.passed_response("resp_up_2") is None
+    assert await store.passed_response("resp_up_1") == mine
 
 
 def upload(id: str, size: int, tenant: str = "alpha") -> UploadRecord:

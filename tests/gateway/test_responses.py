@@ -1158,6 +1158,41 @@ def test_streaming_without_code_tool_passes_through(upstream, openai_client):
     assert_operator_auth(upstream)
 
 
+def test_a_passed_through_conversation_is_continued_by_its_own_tenant_only(
+        upstream, openai_client, gateway):
+    """The upstream keeps every tenant's passed-through responses in the operator's
+    one account and continues whichever one a request names: another tenant's
+    conversation, named by an id that leaked, went on as the caller's, its
+    context sent to the model. Each one's tenant is noted as it passes (whole or
+    streamed), and only that tenant continues it."""
+    other = openai.OpenAI(base_url=gateway.url + "/v1", api_key=OTHER_TOKEN, max_retries=0)
+    upstream.script(openai_turn(message("a private answer")))
+    whole = openai_client.responses.create(model=MODEL, input="a private question")
+    upstream.script(openai_turn(message("streamed privately"), chunk=4))
+    with openai_client.responses.stream(model=MODEL, input="another") as stream:
+        streamed = stream.get_final_response()
+    upstream.stored_responses.add("resp_made_at_the_upstream_directly")
+    asked = len(upstream.requests)
+    for previous in (whole.id, streamed.id, "resp_made_at_the_upstream_directly"):
+        with pytest.raises(openai.NotFoundError) as refused:
+            other.responses.create(model=MODEL, input="and then?", previous_response_id=previous)
+        assert refused.value.body["message"] == f"Previous response with id '{previous}' not found."
+    with pytest.raises(openai.NotFoundError):  # no tenant's: the operator's, say
+        openai_client.responses.create(model=MODEL, input="and then?",
+                                       previous_response_id="resp_made_at_the_upstream_directly")
+    with pytest.raises(openai.BadRequestError) as refused:  # the upstream's, whoever made it
+        other.responses.create(model=MODEL, input="hi", conversation="conv_anyones")
+    assert refused.value.body["param"] == "conversation"
+    assert len(upstream.requests) == asked, "a refused request reached the model"
+
+    for previous in (whole.id, streamed.id):
+        upstream.script(openai_turn(message("carried on")))
+        carried = openai_client.responses.create(model=MODEL, input="and then?",
+                                                 previous_response_id=previous)
+        assert carried.output_text == "carried on"
+        assert upstream.requests[-1].body["previous_response_id"] == previous
+
+
 UPSTREAM_FAILURES = [
     (429, openai.RateLimitError, "Rate limit reached for scripted-model in organization org-x"),
     (500, openai.InternalServerError, "The upstream server had an error while processing your request"),

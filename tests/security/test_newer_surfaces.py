@@ -277,23 +277,25 @@ def test_the_codes_model_token_cannot_read_or_delete_stored_responses(gateway_se
     assert json.loads(seen["stdout"])["status"] == "403", seen
 
 
+@pytest.mark.parametrize("kept", ["here", "upstream"])
 def test_the_codes_model_token_continues_only_conversations_its_code_started(
-        gateway_server, upstream):
+        gateway_server, upstream, kept):
     """A stored conversation of the tenant that ran no code names no container, so
     the container check let the code's own call continue it by its id: another
-    user's conversation, sent to the model as the code's context."""
+    user's conversation, sent to the model as the code's context. One passed
+    through (no code tool) is kept by the upstream, which continued it for
+    whoever named it."""
+    tools = [{"type": "caronte:code_execution"}] if kept == "here" else []
     upstream.reset()
     upstream.script(openai_turn(message("the answer to a private question")))
     with gateway_server.client(ALPHA) as http:
         stored = http.post("/v1/responses", json={
-            "model": "m", "input": "a private question",
-            "tools": [{"type": "caronte:code_execution"}]})
+            "model": "m", "input": "a private question", "tools": tools})
         assert stored.status_code == 200, stored.text
         seen: dict = {}
         upstream.reset()
         command = _inner({"model": "m", "input": "from inside",
-                          "previous_response_id": stored.json()["id"],
-                          "tools": [{"type": "caronte:code_execution"}]},
+                          "previous_response_id": stored.json()["id"], "tools": tools},
                          "POST", "/v1/responses")
         outer = _outer_reply(command, seen)
 
@@ -308,6 +310,7 @@ def test_the_codes_model_token_continues_only_conversations_its_code_started(
     assert called["status"] == "403", called
     assert "message" in json.loads(called["text"])["error"], called  # OpenAI's shape
     assert not any("private question" in json.dumps(request.body)
+                   or request.body.get("previous_response_id") == stored.json()["id"]
                    for request in upstream.requests), "the conversation reached the model"
 
 

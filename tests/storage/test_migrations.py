@@ -90,7 +90,8 @@ async def test_opening_a_current_database_again_changes_nothing(tmp_path):
     assert _version(path) == SCHEMA_VERSION
     with sqlite3.connect(path) as db:
         tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert tables == {"containers", "container_files", "uploads", "runs", "responses", "placements"}
+    assert tables == {"containers", "container_files", "uploads", "runs", "responses", "placements",
+                      "passed_responses"}
 
 
 async def test_a_new_database_starts_at_the_current_version(tmp_path):
