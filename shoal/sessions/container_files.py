@@ -34,6 +34,8 @@ log = logging.getLogger("shoal.containers")
 # cap; keys nested deeper than this are not laid out (they stay in the container).
 EXTERNAL_FILES_PER_RUN = 50
 _EXTERNAL_DEPTH = 16
+# Uploads remembered as copied into containers (past it, the oldest is copied again).
+_ATTACHED_KEPT = 4096
 
 from .containers import ContainerManager
 
@@ -150,6 +152,10 @@ class ContainerFiles:
         # could leave one's bytes on disk under the other's etag.
         self._writing: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._deleted = DeletedPlaces()
+        # Uploads copied in, by (tenant, container, upload): the copy's etag and
+        # mtime. A client's history names its container_upload blocks again on
+        # every turn (and a follow-up its file_ids); unchanged, a copy stays.
+        self._attached: OrderedDict[tuple[str, str, str], tuple[str | None, int]] = OrderedDict()
 
     def _lock(self, record: ContainerRecord, sandbox_path: str) -> asyncio.Lock:
         key = (record.tenant, record.id, sandbox_path)
@@ -327,10 +333,37 @@ class ContainerFiles:
 
     async def attach_upload(self, record: ContainerRecord, upload: UploadRecord,
                             handle: BinaryIO, checkpoint: bool = True) -> ContainerFile:
-        """A tenant's uploaded file, copied into the container's uploads."""
+        """A tenant's uploaded file, copied into the container's uploads, unless the
+        copy made before is there unchanged: a conversation's every turn names
+        its uploads again, and each was copied again (and, with an object store,
+        the container snapshotted again), a 100 MiB file 100 MiB a turn."""
+        path = SandboxPath(UPLOADS, (upload.filename,))
+        key = (record.tenant, record.id, upload.id)
         with handle:
-            return await self.put(record, SandboxPath(UPLOADS, (upload.filename,)), handle,
-                                  checkpoint=checkpoint)
+            kept = await self._kept_copy(record, path, self._attached.get(key))
+            if kept is not None:
+                self._attached.move_to_end(key)
+                return kept
+            copied = await self.put(record, path, handle, checkpoint=checkpoint)
+        self._attached[key] = (copied.record.etag, copied.record.modified_ns)
+        while len(self._attached) > _ATTACHED_KEPT:
+            self._attached.popitem(last=False)
+        return copied
+
+    async def _kept_copy(self, record: ContainerRecord, path: SandboxPath,
+                         copied: tuple[str | None, int] | None) -> ContainerFile | None:
+        if copied is None:
+            return None
+        row = await self._metadata.get_file(record.tenant, record.id, path.sandbox_path)
+        if row is None or (row.etag, row.modified_ns) != copied:
+            return None  # replaced (another upload of that name), or deleted
+        async with self._containers.using(record):
+            files = await self._containers.files_of(record)
+            try:
+                entry = await asyncio.to_thread(files.stat, path)
+            except FileAccessError:
+                return None
+        return ContainerFile(row) if (entry.size, entry.modified_ns) == (row.size, row.modified_ns) else None
 
     async def lay_out_external(self, record: ContainerRecord) -> int:
         """Put the container's files where a run reads them (``./external-files``):

@@ -477,6 +477,32 @@ def test_without_a_container_the_users_own_container_is_used(anthropic_client, u
     assert second.container.id == first.container.id and second.content[-1].text == "kept\n"
 
 
+def test_an_upload_named_again_is_not_copied_again(anthropic_client, upstream):
+    """A client's history names its container_upload blocks on every turn, and the
+    file was copied into the container each time (and, with an object store, the
+    container snapshotted): unchanged, the copy stays; another upload under its
+    name replaces it."""
+    container = a_container()
+    stat = bash("stat -c '%s %y' /mnt/user-data/uploads/big.bin; md5sum < /mnt/user-data/uploads/big.bin")
+
+    def turn(file_id: str) -> str:
+        upstream.script(anthropic_turn(stat), lambda body: anthropic_turn(text(last_result(body)["stdout"])))
+        return anthropic_client.messages.create(
+            model="claude-test", max_tokens=256, tools=[TOOL], container=container,
+            messages=[{"role": "user", "content": [{"type": "container_upload", "file_id": file_id},
+                                                   {"type": "text", "text": "how big?"}]}]).content[-1].text
+
+    first = anthropic_client.beta.files.upload(file=("big.bin", b"a" * (4 << 20), "application/octet-stream"))
+    seen = turn(first.id)
+    assert seen.startswith(f"{4 << 20} "), seen
+    time.sleep(0.05)  # a copy made now would have another mtime
+    assert turn(first.id) == seen
+    other = anthropic_client.beta.files.upload(file=("big.bin", b"b" * 10, "application/octet-stream"))
+    replaced = turn(other.id)
+    assert replaced.startswith("10 ") and replaced.split()[-2] != seen.split()[-2], replaced
+    assert turn(first.id).split()[-2] == seen.split()[-2]  # and back
+
+
 def test_a_container_upload_lands_in_uploads(anthropic_client, upstream):
     uploaded = anthropic_client.beta.files.upload(file=("sales.csv", b"month,revenue\njan,3\nfeb,4\n",
                                                         "text/csv"))
