@@ -450,11 +450,16 @@ def test_a_cancel_while_waiting_leaves_no_task_error(runs_server, http):
     logged = len(runs_server.log())
     for language, code in (("python", "advanced_query(sql='x')"),
                            ("javascript", "await advanced_query({sql: 'x'})")):
+        events = []
         with run_stream(http, language=language, tools=[QUERY_TOOL],
                         allowed_tools=["advanced_query"], code=code) as source:
             for sse in source.iter_sse():
+                events.append(sse)
                 if sse.event == "tool_call.required":
                     assert http.delete(f"/v1/code-execution/runs/{sse.json()['runId']}").status_code == 200
+        # A run that never waited on its call cancelled nothing: the log below says nothing then.
+        assert "tool_call.required" in names(events), (language, names(events))
+        assert final(events)["status"] == "cancelled", (language, final(events))
     time.sleep(0.5)  # the answering tasks end after the cancel
     log = runs_server.log()[logged:]
     assert "Task exception was never retrieved" not in log and "Traceback" not in log, log
@@ -511,14 +516,17 @@ def test_a_tool_result_too_large_for_the_code_is_refused_where_it_is_sent(http):
 
 
 def test_cancel_interrupts_running_code(http):
+    events = []
     with run_stream(http, code="import time\nprint('started', flush=True)\ntime.sleep(60)") as src:
         for sse in src.iter_sse():
+            events.append(sse)
             if sse.event == "run.output":
                 started = time.monotonic()
                 http.delete(f"/v1/code-execution/runs/{sse.json()['runId']}")
-            if sse.event in ("run.failed", "run.completed"):
-                assert sse.event == "run.failed" and sse.json()["status"] == "cancelled"
-                assert time.monotonic() - started < 30  # far below the 60 s sleep
+    # Checked after the stream, so that a stream that ends without its run's end fails.
+    end = final(events)
+    assert end["event"] == "run.failed" and end["status"] == "cancelled", end
+    assert time.monotonic() - started < 30  # far below the 60 s sleep
 
 
 def test_tool_results_answer_404_409_and_ignore_repeats(http):
@@ -545,16 +553,20 @@ def test_tool_results_answer_404_409_and_ignore_repeats(http):
 
 
 def test_a_tool_error_from_the_client_raises_tool_error(http):
+    events = []
     with run_stream(http, tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
                     code="try:\n    advanced_query(sql='x')\nexcept ToolError as e:\n    print(e)") as src:
         for sse in src.iter_sse():
+            events.append(sse)
             if sse.event == "tool_call.required":
                 data = sse.json()
-                http.post(f"/v1/code-execution/runs/{data['runId']}/tool-results",
-                          json={"results": [{"call_id": data["calls"][0]["call_id"],
-                                             "error": "permission denied"}]})
-            if sse.event == "run.completed":
-                assert sse.json()["stdout"] == "permission denied\n"
+                answered = http.post(f"/v1/code-execution/runs/{data['runId']}/tool-results",
+                                     json={"results": [{"call_id": data["calls"][0]["call_id"],
+                                                        "error": "permission denied"}]})
+                assert answered.status_code == 200, answered.text
+    # A run that failed, or ended without asking, printed nothing of the kind.
+    end = final(events)
+    assert end["event"] == "run.completed" and end["stdout"] == "permission denied\n", end
 
 
 def test_a_lost_stream_is_replayed_from_last_event_id(http):
@@ -911,7 +923,9 @@ def test_another_tenant_cannot_see_or_answer_a_run(server_factory):
     with server.client("tok-a") as alpha, server.client("tok-b") as beta:
         with run_stream(alpha, tools=[QUERY_TOOL], allowed_tools=["advanced_query"],
                         code="print(advanced_query(sql='x'))") as source:
+            events = []
             for sse in source.iter_sse():
+                events.append(sse)
                 if sse.event == "tool_call.required":
                     data = sse.json()
                     url = f"/v1/code-execution/runs/{data['runId']}"
@@ -922,8 +936,10 @@ def test_another_tenant_cannot_see_or_answer_a_run(server_factory):
                     assert beta.delete(url).status_code == 404
                     assert alpha.post(f"{url}/tool-results", json={"results": [
                         {"call_id": call, "output": "alpha"}]}).status_code == 200
-                if sse.event == "run.completed":
-                    assert sse.json()["stdout"] == "alpha\n"
+        # Without the call, beta was never tried; without the end, alpha's answer never seen.
+        assert names(events).count("tool_call.required") == 1, names(events)
+        end = final(events)
+        assert end["event"] == "run.completed" and end["stdout"] == "alpha\n", end
         assert httpx.post(f"{server.url}/v1/code-execution/runs", json={"code": "1"}).status_code == 401
 
 
