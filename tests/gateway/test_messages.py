@@ -449,18 +449,22 @@ def test_a_client_tool_ends_the_turn_and_the_next_request_continues(anthropic_cl
 
 def test_the_container_is_reused_across_requests_after_its_sandbox_stopped(anthropic_client, upstream, gateway):
     container = a_container()
+    # /tmp is the sandbox's own (a tmpfs): the mark there goes when the sandbox does.
     upstream.script(anthropic_turn(tool_use("bash_code_execution",
-                                            {"command": "echo $RANDOM > /home/agent/workspace/number.txt; cat /home/agent/workspace/number.txt"})),
+                                            {"command": "echo $RANDOM > /home/agent/workspace/number.txt; "
+                                                        "touch /tmp/first-sandbox; cat /home/agent/workspace/number.txt"})),
                     anthropic_turn(text("written")))
     first = ask(anthropic_client, container=container)
     assert first.container.id == container
     number = first.content[1].content.stdout.strip()
     # The gateway server stops a container's sandbox after 2 idle seconds.
     time.sleep(4)
-    upstream.script(anthropic_turn(bash("cat /home/agent/workspace/number.txt; ps -e | wc -l")),
-                    lambda body: anthropic_turn(text(last_result(body)["stdout"].split()[0])))
+    upstream.script(anthropic_turn(bash("cat /home/agent/workspace/number.txt; "
+                                        "ls /tmp/first-sandbox 2>/dev/null || echo another-sandbox")),
+                    lambda body: anthropic_turn(text(last_result(body)["stdout"])))
     second = ask(anthropic_client, container=container)
-    assert second.content[-1].text == number
+    # Without the mark gone, the files could have come from the sandbox that never stopped.
+    assert second.content[-1].text == f"{number}\nanother-sandbox\n"
     # The same id from another tenant is another container altogether.
     other = anthropic.Anthropic(base_url=gateway.url, api_key=OTHER_TOKEN, max_retries=0)
     upstream.script(anthropic_turn(bash("cat /home/agent/workspace/number.txt")),
@@ -626,6 +630,9 @@ def test_a_client_that_disconnects_stops_the_loop(anthropic_client, upstream, ga
             for line in response.iter_lines():
                 if "server_tool_use" in line:
                     break  # the call is running: go away
+            else:
+                # Read to its end, the stream left nothing running to stop.
+                pytest.fail("the stream ended before the call began")
     time.sleep(7)
     assert len(upstream.requests) == 1, "the loop asked the model again after the client left"
     listed = httpx.get(f"{gateway.url}/v1/files", params={"scope_id": container},
@@ -823,7 +830,9 @@ def test_a_tool_type_no_one_knows_still_passes_through(anthropic_client, upstrea
                         json={"model": "m", "max_tokens": 8, "tools": [{"type": []}],
                               "messages": [USER]})
     assert answer.status_code == 200, answer.text
+    assert answer.json()["content"] == [{"type": "text", "text": "fine"}], answer.text
     assert len(upstream.requests) == 1
+    assert upstream.requests[0].body["tools"] == [{"type": []}]
 
 
 def test_a_model_asking_for_an_endless_timeout_gets_the_ceiling(anthropic_client, upstream):
