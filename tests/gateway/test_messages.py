@@ -32,9 +32,14 @@ PNG_CODE = ("import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot 
             "plt.close()\nprint('saved')")
 
 
-def ask(client, content="go", tools=(TOOL,), **extra):
-    return client.messages.create(model="claude-test", max_tokens=512, tools=list(tools),
-                                  messages=[{"role": "user", "content": content}], **extra)
+def ask(client, content="go", tools=(TOOL,), streamed=False, **extra):
+    """The message, whole or (``streamed``) as the SDK puts it together from the stream."""
+    arguments = dict(model="claude-test", max_tokens=512, tools=list(tools),
+                     messages=[{"role": "user", "content": content}], **extra)
+    if streamed:
+        with client.messages.stream(**arguments) as stream:
+            return stream.get_final_message()
+    return client.messages.create(**arguments)
 
 
 def fed_back(body: dict) -> list[dict]:
@@ -338,13 +343,7 @@ def test_a_tool_input_given_whole_at_the_block_start_is_shown(anthropic_client, 
     turn = anthropic_turn(bash("echo whole"))
     upstream.script(_WholeInput(turn.content, turn.stop_reason, turn.usage, turn.model,
                                 turn.pacing), anthropic_turn(text("ok")))
-    arguments = dict(model="claude-test", max_tokens=64, tools=[TOOL],
-                     messages=[{"role": "user", "content": "go"}])
-    if streamed:
-        with anthropic_client.messages.stream(**arguments) as stream:
-            message = stream.get_final_message()
-    else:
-        message = anthropic_client.messages.create(**arguments)
+    message = ask(anthropic_client, streamed=streamed)
     assert message.content[0].type == "server_tool_use"
     assert message.content[0].input == {"command": "echo whole"}
     assert message.content[1].content.stdout == "whole\n"
@@ -366,13 +365,7 @@ def test_a_model_cut_off_at_max_tokens_ends_the_message(anthropic_client, upstre
     # The half-written call was refused and the model asked again, cut off
     # again: ten paid calls, answered as pause_turn instead of max_tokens.
     upstream.script(*[cut_off(text("Let me write it."), bash("echo " + "x" * 200))] * 10)
-    arguments = dict(model="claude-test", max_tokens=64, tools=[TOOL],
-                     messages=[{"role": "user", "content": "go"}])
-    if streamed:
-        with anthropic_client.messages.stream(**arguments) as stream:
-            message = stream.get_final_message()
-    else:
-        message = anthropic_client.messages.create(**arguments)
+    message = ask(anthropic_client, streamed=streamed)
     assert message.stop_reason == "max_tokens"
     assert [b.type for b in message.content] == ["text", "server_tool_use"]
     assert len(upstream.requests) == 1
@@ -598,10 +591,10 @@ def test_upstream_errors_pass_through(anthropic_client, upstream, status, error)
     assert f"upstream says {status}" in str(failure.value)
     assert failure.value.request_id
     upstream.fail(status, message=f"upstream says {status}")
-    with pytest.raises(error):
-        with anthropic_client.messages.stream(model="claude-test", max_tokens=64, tools=[TOOL],
-                                              messages=[{"role": "user", "content": "go"}]) as stream:
-            stream.get_final_message()
+    with pytest.raises(error) as failure:
+        ask(anthropic_client, streamed=True)
+    assert failure.value.status_code == status
+    assert f"upstream says {status}" in str(failure.value)
 
 
 @pytest.mark.parametrize("with_code_tool", [True, False], ids=["tool-loop", "pass-through"])
@@ -646,13 +639,7 @@ def test_an_upstream_stream_cut_short_is_an_error_not_an_answer(anthropic_client
     # to its end, such a stream looked like a complete end_turn answer.
     upstream.script(anthropic_turn(text("partial answer and then more"), chunk=7, end_after=3))
     with pytest.raises(anthropic.APIStatusError) as failure:
-        if streamed:
-            with anthropic_client.messages.stream(model="claude-test", max_tokens=64, tools=[TOOL],
-                                                  messages=[{"role": "user", "content": "go"}]) as s:
-                for _ in s:
-                    pass
-        else:
-            ask(anthropic_client)
+        ask(anthropic_client, streamed=streamed)
     assert "incomplete" in failure.value.body["error"]["message"], failure.value.body
     if not streamed:
         assert failure.value.status_code == 502
