@@ -18,6 +18,7 @@ import pytest
 
 from httpx_sse import connect_sse
 
+from shoal.runs import CALLBACKS_AT_ONCE
 from tests.gateway.scripted_upstream import (ScriptedUpstream, anthropic_turn, message,
                                              openai_turn, text, tool_use)
 from tests.security.helpers import execute, new_session
@@ -50,7 +51,6 @@ def test_stub_calls_past_the_cap_fail_at_once_in_the_code(flood_server):
             "                                return_exceptions=True)\n"
             "got = asyncio.run(main())\n"
             "print(sum(r == 'ok' for r in got), sum('at most 1000' in str(r) for r in got))\n")
-    started = time.monotonic()
     with flood_server.client() as http, connect_sse(
             http, "POST", "/v1/code-execution/runs",
             json={"language": "python", "code": code, "tools": [QUERY_TOOL],
@@ -65,8 +65,9 @@ def test_stub_calls_past_the_cap_fail_at_once_in_the_code(flood_server):
                 assert answered.status_code == 200, answered.text
             elif sse.event in ("run.completed", "run.failed"):
                 end = sse.json()
+    # Stubs waiting on refusals the host never sends would have run to the 60 s timeout
+    # (run.failed, nothing printed): this end is the proof, not how soon it came.
     assert end is not None and end.get("stdout") == "1000 1200\n", end
-    assert time.monotonic() - started < 45
 
 
 def test_a_flood_of_refused_tool_calls_costs_the_host_no_task_each(flood_server):
@@ -77,19 +78,21 @@ def test_a_flood_of_refused_tool_calls_costs_the_host_no_task_each(flood_server)
         session = new_session(http)
         try:
             before = _rss_kib(flood_server.process.pid)
-            started = time.monotonic()
             answer = execute(http, session, FORGE + (
                 "entries = [{'ref': format(i, 'x')} for i in range(200_000)]\n"
                 "msg = frame({'id': CALL_ID, 'type': 'tool_calls', 'calls': entries})\n"
                 "for _ in range(4):\n"
                 "    send(msg)\n"
                 "print('sent', len(msg))\n"), timeout=30)
-            elapsed = time.monotonic() - started
             grown = _rss_kib(flood_server.process.pid) - before
             assert answer.status == 200, answer.text[:300]
             # Whatever the host made of it, it stays a small cost to the host.
             assert grown < 100 * 1024, f"the server grew by {grown // 1024} MiB"
-            assert elapsed < 15, elapsed
+            # A host whose loop the refusals held took the frames in past the call's
+            # own timeout: the call was cut (124) and its interpreter restarted.
+            content = answer.content
+            assert content["return_code"] == 0 and content["stdout"].startswith("sent "), content
+            assert answer.body["interpreter_restarted"] is False, answer.body
             with httpx.Client(base_url=flood_server.url, timeout=10) as other:
                 assert other.get("/health").status_code == 200
         finally:
@@ -456,11 +459,12 @@ def test_one_tenants_slow_callbacks_do_not_hold_another_tenants(security_server_
         deadline = time.monotonic() + 10
         while internal_service.held < 100 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert internal_service.held >= 1, internal_service.held
-        started = time.monotonic()
+        # Short of its share, the flood held too little for the quick call to wait behind it.
+        assert internal_service.held >= CALLBACKS_AT_ONCE, internal_service.held
+        # Held behind the flood, the quick callback would wait out its 10 s and the
+        # code would print a ToolError instead.
         stdout = _call_back(server, f"http://127.0.0.1:{port}/quick", "quick-token")
         assert stdout == "INTERNAL-ONLY-ANSWER\n", stdout
-        assert time.monotonic() - started < 10
     finally:
         internal_service.release.set()
         slow.join(60)
