@@ -1137,7 +1137,6 @@ def test_javascript_arguments_that_cannot_be_sent_reject_with_tool_error(http):
     the script hung until its timeout. Arguments past what one line to the
     bridge holds cut the connection (``read ECONNRESET``), and with it every
     call made beside them, even calls that fit when sent apart."""
-    started = time.monotonic()
     end = final(collect(http, language="javascript", answer=lambda call: "ok",
                         tools=[ECHO_TOOL], allowed_tools=["echo"], timeout_ms=20_000, code=(
         "const cycle = {}; cycle.self = cycle;\n"
@@ -1148,7 +1147,7 @@ def test_javascript_arguments_that_cannot_be_sent_reject_with_tool_error(http):
         "const blob = 'z'.repeat(1_500_000);\n"
         "const all = await Promise.all([1, 2, 3].map((i) => echo({i, blob})));\n"
         "console.log(all.join(','));\n")))
-    assert time.monotonic() - started < 15
+    # A script hung by the throw ran to its 20 s timeout: run.failed, not this.
     assert end["event"] == "run.completed", end
     assert end["stdout"].splitlines() == [
         "ToolError the tool call's arguments must be JSON",
