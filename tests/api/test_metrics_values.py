@@ -44,24 +44,10 @@ def changes(before: dict[Sample, float], after: dict[Sample, float], prefix: str
 
 
 @pytest.fixture(scope="module")
-def metered(server_factory):
+def server(server_factory):
+    """This module's server, in place of conftest's: its client and session_id use it."""
     return server_factory(pool_size=1, max_sessions=8, memory_limit_mib=128,
                           output_cap_bytes=OUTPUT_CAP, max_timeout_seconds=30)
-
-
-@pytest.fixture
-def client(metered):
-    with metered.client() as http:
-        yield http
-
-
-@pytest.fixture
-def session_id(client):
-    response = client.post("/sessions", json={})
-    assert response.status_code == 201, response.text
-    session_id = response.json()["session_id"]
-    yield session_id
-    client.delete(f"/sessions/{session_id}")
 
 
 def _exec(client, session_id: str, tool: str, timeout: int | None = None, **tool_input) -> dict:
