@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.processes import host_processes, processes_in  # noqa: F401 (re-exported)
 from tests.serving import DEFAULTS, Server, start_server
 from tests.uid_slots import OFFSET, uid
 
@@ -85,30 +86,6 @@ def _start(tmp_path: Path, run_dir: Path, uid_base: int, data_dir: Path | None,
 
 
 # -- the host's view -----------------------------------------------------------------------------
-def host_processes() -> list[dict]:
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status") as handle:
-                fields = dict(line.rstrip("\n").split(":\t", 1) for line in handle if ":\t" in line)
-            found.append({"pid": int(name), "name": fields.get("Name", ""),
-                          "state": fields.get("State", "?")[:1],
-                          "ppid": int(fields.get("PPid", "0")),
-                          "uid": int(fields["Uid"].split()[0]),
-                          # The pid in each namespace, the host's first: one entry
-                          # for a process of the host's pid namespace.
-                          "nspid": [int(n) for n in fields.get("NSpid", name).split()]})
-        except (OSError, ValueError, KeyError):
-            continue  # gone meanwhile
-    return found
-
-
-def processes_in(uids: range | set[int]) -> list[dict]:
-    return [p for p in host_processes() if p["uid"] in uids]
-
-
 def wait_for_no_processes(uids: range | set[int], timeout: float = REAP_SECONDS) -> list[dict]:
     """Processes still running as one of ``uids`` once zombies had time to be reaped."""
     deadline = time.monotonic() + timeout

@@ -18,6 +18,7 @@ import pytest
 
 from shoal.config import Settings
 from shoal.sandbox import Limit, SandboxPool
+from tests.processes import processes_in
 
 TRUNCATED = "...[truncated]"
 FORK_FAILURE = "Resource temporarily unavailable"
@@ -25,21 +26,8 @@ FORK_FAILURE = "Resource temporarily unavailable"
 
 def _pids_of_uid(uid: int, live_only: bool = False) -> list[int]:
     """Host processes whose real uid is ``uid`` (without zombies if ``live_only``)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status") as handle:
-                fields = dict(line.split(":", 1) for line in handle if ":" in line)
-        except OSError:
-            continue
-        if fields.get("Uid", "").split()[:1] != [str(uid)]:
-            continue
-        if live_only and fields.get("State", "").split()[:1] in (["Z"], ["X"]):
-            continue
-        found.append(int(name))
-    return found
+    return [p["pid"] for p in processes_in({uid})
+            if not (live_only and p["state"] in ("Z", "X"))]
 
 
 def _is_exiting(pid: int) -> bool:

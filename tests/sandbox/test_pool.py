@@ -24,6 +24,7 @@ import pytest
 
 from shoal.config import Settings
 from shoal.sandbox import SandboxPool
+from tests.processes import host_processes, processes_in
 from tests.uid_slots import uid
 
 PRIVATE_UID_BASE = uid(410000)
@@ -33,30 +34,6 @@ REAP_SECONDS = 30.0
 
 
 # -- host-side observation -------------------------------------------------------------
-def host_processes() -> list[dict]:
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/status") as handle:
-                fields = dict(line.rstrip("\n").split(":\t", 1) for line in handle if ":\t" in line)
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        try:
-            found.append({"pid": int(name), "name": fields.get("Name", ""),
-                          "state": fields.get("State", "?")[:1],
-                          "ppid": int(fields.get("PPid", "0")),
-                          "uid": int(fields["Uid"].split()[0])})
-        except (KeyError, ValueError):
-            continue
-    return found
-
-
-def processes_in_range(base: int, count: int) -> list[dict]:
-    return [p for p in host_processes() if base <= p["uid"] < base + count]
-
-
 async def wait_for_no_strays(base: int, count: int, allowed_uids) -> list[dict]:
     """Processes of the range whose uid is not allowed; waits for zombies to be reaped.
 
@@ -66,7 +43,7 @@ async def wait_for_no_strays(base: int, count: int, allowed_uids) -> list[dict]:
     allowed = set(allowed_uids)
     deadline = time.monotonic() + REAP_SECONDS
     while True:
-        strays = [p for p in processes_in_range(base, count) if p["uid"] not in allowed]
+        strays = [p for p in processes_in(range(base, base + count)) if p["uid"] not in allowed]
         alive = [p for p in strays if p["state"] != "Z"]
         if alive or not strays or time.monotonic() > deadline:
             return strays
@@ -336,7 +313,8 @@ async def test_lease_close_cycles_leave_nothing_behind(pool, settings, cycles):
     # The host agrees.
     strays = await wait_for_no_strays(settings.uid_base, settings.uid_count, leftovers["uids"])
     assert strays == [], strays
-    live_uids = {p["uid"] for p in processes_in_range(settings.uid_base, settings.uid_count)
+    live_uids = {p["uid"] for p in processes_in(range(settings.uid_base,
+                                                      settings.uid_base + settings.uid_count))
                  if p["state"] != "Z"}
     assert live_uids == set(leftovers["uids"])
     assert len(sandbox_roots(pool)) == len(live), sandbox_roots(pool)
@@ -350,7 +328,7 @@ async def test_restart_leaves_nothing_behind(pool, settings):
         for _ in range(3):
             await sandbox.restart()
         assert (await sandbox.run_python("print('back')")).stdout == "back\n"
-        mine = [p for p in processes_in_range(sandbox.uid, 1) if p["state"] != "Z"]
+        mine = [p for p in processes_in({sandbox.uid}) if p["state"] != "Z"]
         # One generation: bwrap (outside), bwrap (the sandbox's init) and the agent;
         # or the zygote's init and agent.
         assert len(mine) == (2 if pool.launcher == "zygote" else 3), mine
@@ -367,7 +345,7 @@ async def test_closing_a_sandbox_kills_its_background_processes(pool, settings):
     await sandbox.run_bash("for i in 1 2 3; do sleep 300 & done; (sleep 300 &) ")
 
     def sleeps() -> list[dict]:
-        return [p for p in processes_in_range(uid, 1) if p["name"] == "sleep"]
+        return [p for p in processes_in({uid}) if p["name"] == "sleep"]
 
     assert await wait_for(lambda: len(sleeps()) == 4, timeout=30), sleeps()
     await sandbox.close()
@@ -400,7 +378,8 @@ async def test_private_pool_close_leaves_nothing(pool, settings):
         kept_open = await private.lease()  # leased and never closed by the test
         assert (await kept_open.run_python("print(2)")).stdout == "2\n"
         await leased.close()
-        assert processes_in_range(private_settings_.uid_base, private_settings_.uid_count)
+        assert processes_in(range(private_settings_.uid_base,
+                                    private_settings_.uid_base + private_settings_.uid_count))
     finally:
         await private.close()
 
