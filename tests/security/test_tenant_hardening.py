@@ -24,22 +24,15 @@ import httpx
 import pytest
 
 from tests.security.helpers import new_session
+from tests.security.test_channel_abuse import FORGE
 from tests.serving import start_server
 from tests.uid_slots import uid
 
-FORGE_DEEP_FRAME = r'''
-import gc, json, os, socket, struct
-def _channel():
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                return int(name)
-        except OSError:
-            pass
-CALL_ID = next(o.call_id for o in gc.get_objects() if type(o).__name__ == "_CallState")
+# An out frame of the call in flight whose data nests 200,000 lists deep.
+FORGE_DEEP_FRAME = FORGE + r'''
 body = ('{"id": %d, "type": "out", "stream": "stdout", "data": ' % CALL_ID
         + "[" * 200000 + "]" * 200000 + "}").encode()
-socket.socket(fileno=os.dup(_channel())).sendall(struct.pack(">I", len(body)) + body)
+send(struct.pack(">I", len(body)) + body)
 '''
 
 
