@@ -21,6 +21,7 @@ from httpx_sse import connect_sse
 from shoal.runs import CALLBACKS_AT_ONCE
 from tests.gateway.scripted_upstream import (ScriptedUpstream, anthropic_turn, message,
                                              openai_turn, text, tool_use)
+from tests.gateway.test_egress import _run
 from tests.security.helpers import execute, new_session
 from tests.security.test_channel_abuse import FORGE
 
@@ -126,17 +127,6 @@ def _messages(http: httpx.Client, **body) -> dict:
     return answer.json()
 
 
-def _run_python(http: httpx.Client, container: str, code: str) -> dict:
-    with connect_sse(http, "POST", "/v1/code-execution/runs", json={
-            "language": "python", "code": code, "container": container,
-            "timeout_ms": 60_000}) as source:
-        assert source.response.status_code == 200, source.response.read()
-        ends = [{"event": sse.event, **sse.json()} for sse in source.iter_sse()
-                if sse.event in ("run.completed", "run.failed")]
-    assert len(ends) == 1, ends
-    return ends[0]
-
-
 ASK_WITH_SAVED_TOKEN = r"""
 import json, os, subprocess
 token = open('/home/agent/workspace/token.txt').read().strip()
@@ -167,7 +157,7 @@ def test_a_model_token_dies_with_the_run_it_was_issued_for(gateway_server, upstr
         assert message["content"][-1]["text"] == "done", message
         container = message["container"]["id"]
         # A later run on the same container, with no model access of its own.
-        end = _run_python(http, container, ASK_WITH_SAVED_TOKEN)
+        end = _run(http, container, "python", ASK_WITH_SAVED_TOKEN)
     assert end["event"] == "run.completed", end
     assert end["stdout"] == "shoal-mt- 401\n", end
     assert len(upstream.requests) == 2, [r.body for r in upstream.requests]
@@ -229,7 +219,7 @@ def test_the_codes_model_token_reaches_only_its_own_container(gateway_server, up
             bobs = _messages_with_code(http, upstream, "echo hi", user=victim_user)
             victim = bobs["container"]["id"]
             inner = {"metadata": {"user_id": victim_user}}
-        end = _run_python(http, victim, f"open('secret.txt', 'w').write({secret!r})")
+        end = _run(http, victim, "python", f"open('secret.txt', 'w').write({secret!r})")
         assert end["event"] == "run.completed", end
         seen: dict = {}
         upstream.reset()
