@@ -370,13 +370,21 @@ class Settings(BaseSettings):
 
 
 def read_secret(setting: str) -> str:
-    """A secret given inline or as '@/path/file' (its first line), so it need not
-    appear on a command line (and in ``ps``)."""
+    """A secret given inline or as '@/path/file' (the file holding it alone), so it
+    need not appear on a command line (and in ``ps``)."""
     setting = setting.strip()
-    if not setting.startswith("@"):
-        return setting
-    path = Path(setting[1:])
-    try:
-        return path.read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    where = "the value"
+    if setting.startswith("@"):
+        path = Path(setting[1:])
+        where = str(path)
+        try:
+            setting = path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    # A secret goes out in a header: one with a line break in it (a file with a
+    # comment line, or two keys) cannot be sent, and httpx's refusal quotes the
+    # header, secret and all, in an error every client of the gateway was shown.
+    if any(ord(char) < 32 or ord(char) == 127 for char in setting):
+        raise ValueError(f"{where} holds more than one line or a control character "
+                         "(the secret alone, on one line, is expected)")
+    return setting

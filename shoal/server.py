@@ -55,6 +55,11 @@ def startup_problems(settings: Settings) -> list[str]:
         problem = f"database_url: {exc}"
     if problem:
         found.append(problem)
+    for name in ("upstream_anthropic_key", "upstream_openai_key"):
+        try:
+            read_secret(getattr(settings, name))
+        except ValueError as exc:
+            found.append(f"{name}: {exc}")
     try:
         problem = files_problem(settings.object_store_config())
     except ValueError as exc:

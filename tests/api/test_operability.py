@@ -443,6 +443,36 @@ def test_a_database_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, url, wo
     assert "hunter2" not in outcome.stderr
 
 
+@pytest.mark.parametrize("command", ["serve", "check"])
+@pytest.mark.parametrize("held, words", [
+    # A key file with a comment line above the key: the server started, and every
+    # gateway call failed with a 502 whose message quoted the header, key and all.
+    ("# the production key\nsk-ant-hunter2\n", ("holds more than one line",)),
+    ("sk-ant-hunter2\nsk-ant-older-hunter2\n", ("holds more than one line",)),
+    (None, ("cannot read",)),
+])
+def test_an_upstream_key_that_cannot_be_sent_is_refused_at_start(tmp_path, command, held,
+                                                                 words):
+    key = tmp_path / "anthropic-key"
+    if held is not None:
+        key.write_text(held)
+    outcome = _refused(tmp_path, "--upstream-anthropic-url", "http://127.0.0.1:9",
+                       "--upstream-anthropic-key", f"@{key}", command=command)
+    if command == "serve":
+        _one_clear_line(outcome, "upstream_anthropic_key", str(key), *words)
+    else:
+        assert outcome.returncode == 1, outcome.stderr
+        assert "upstream_anthropic_key" in outcome.stderr, outcome.stderr
+    assert "hunter2" not in outcome.stdout + outcome.stderr
+
+
+def test_an_upstream_key_variable_with_a_line_break_is_refused(tmp_path):
+    outcome = _refused(tmp_path, env={"SHOAL_UPSTREAM_OPENAI_URL": "http://127.0.0.1:9",
+                                      "SHOAL_UPSTREAM_OPENAI_KEY": "sk-hunter2\nsk-older"})
+    _one_clear_line(outcome, "upstream_openai_key", "holds more than one line")
+    assert "hunter2" not in outcome.stderr
+
+
 def test_a_bad_environment_variable_is_named(tmp_path):
     outcome = _refused(tmp_path, env={"SHOAL_MAX_SESSIONS": "-3"})
     _one_clear_line(outcome, "SHOAL_MAX_SESSIONS=-3")
