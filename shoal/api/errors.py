@@ -33,6 +33,7 @@ from shoal.gateway.anthropic import InvalidMessagesRequest
 from shoal.gateway.openai import InvalidResponsesRequest
 from shoal.gateway.passed import NotThisSandbox, NotYours
 from shoal.gateway.service import OutOfScope, UnknownResponse
+from shoal.gateway.upstream import UnsendableHeader
 from shoal.runs import CallbackNotAllowed, InvalidTools, RunConflict, UnknownRun, UnknownToolCall
 from shoal.sandbox import DiskFull, PoolBusy, UidsExhausted
 from shoal.sandbox.launcher import LaunchFailed
@@ -268,6 +269,7 @@ def install(app: FastAPI) -> None:
     exhausted(DiskFull, 503, "the server's disk cannot back another sandbox now; retry later")
     exhausted(StoreUnavailable, 503)
     handler(UpstreamNotConfigured, 501)()
+    handler(UnsendableHeader, 400)()
 
     @handler(UpstreamError)
     def _upstream(request: Request, exc: UpstreamError):

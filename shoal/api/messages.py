@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
 from shoal.streaming import StreamingBody
 from shoal.gateway.anthropic import InvalidMessagesRequest, parse_request
+from shoal.gateway.upstream import check_forwarded
 
 from ._bodies import read_json_object
 from ._gateway import drain, first_chunk, held, streamed, unless_gone
@@ -65,6 +66,7 @@ async def create_message(request: Request, tenant: str = Depends(tenant_of)) -> 
     gateway = request.app.state.gateway
     body = await _body(request)
     parsed = _parsed(body)
+    check_forwarded("anthropic", request.headers)
     try:
         upstream = gateway.upstream("anthropic")
     except UpstreamNotConfigured as exc:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from shoal.gateway import UpstreamError, UpstreamNotConfigured
 from shoal.streaming import StreamingBody
 from shoal.gateway.openai import InvalidResponsesRequest, parse_request
+from shoal.gateway.upstream import check_forwarded
 
 from ._bodies import read_json_object
 from ._gateway import drain, first_chunk, held, streamed, unless_gone
@@ -51,6 +52,7 @@ async def create_response(request: Request, tenant: str = Depends(tenant_of)) ->
             parsed = parse_request(body, continuing=True)
     except InvalidResponsesRequest as exc:
         raise BadRequest(400, str(exc), param=exc.param) from None
+    check_forwarded("openai", request.headers)
     try:
         upstream = gateway.upstream("openai")
     except UpstreamNotConfigured as exc:

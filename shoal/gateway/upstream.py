@@ -70,6 +70,20 @@ class UpstreamNotConfigured(Exception):
     """No upstream URL is configured for this dialect."""
 
 
+class UnsendableHeader(ValueError):
+    """A header the client sent for the upstream that cannot be sent on; a 400."""
+
+
+def check_forwarded(dialect: str, incoming) -> None:
+    """UnsendableHeader unless the headers passed on to the upstream can be sent:
+    httpx sends header values as ASCII, and the client's (read as latin-1) may
+    hold any byte past it, which raised from inside the call as a 500."""
+    for name in _FORWARDED.get(dialect, ()):
+        value = incoming.get(name)
+        if value is not None and not value.isascii():
+            raise UnsendableHeader(f"the {name} header must be ASCII")
+
+
 @dataclass
 class Timing:
     """Where one gateway request's time went: waiting for the upstream, running

@@ -839,6 +839,35 @@ def test_a_wrong_method_is_the_clients_error(gateway):
         assert answer.json()["error"]["type"] == "invalid_request_error", answer.text
 
 
+@pytest.mark.parametrize("path, header", [("/v1/messages", "anthropic-beta"),
+                                          ("/v1/messages", "anthropic-version"),
+                                          ("/v1/responses", "openai-beta")])
+@pytest.mark.parametrize("with_tool", [True, False], ids=["loop", "pass-through"])
+def test_a_header_for_the_upstream_that_is_not_ascii_is_a_400(gateway, upstream, path, header,
+                                                              with_tool):
+    # Passed on to the upstream, httpx could not encode it: a 500 with a traceback
+    # logged at ERROR, for any tenant, as often as it liked.
+    if path == "/v1/messages":
+        body = {"model": "m", "max_tokens": 8, "messages": [USER]}
+        tool = TOOL
+    else:
+        body = {"model": "m", "input": "hi"}
+        tool = {"type": "code_interpreter", "container": {"type": "auto"}}
+    if with_tool:
+        body["tools"] = [tool]
+    answer = httpx.post(f"{gateway.url}{path}", json=body, headers={
+        "Authorization": f"Bearer {CLIENT_TOKEN}", header: b"\xe9t\xe9"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()
+    if path == "/v1/messages":
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    else:
+        assert error["error"]["type"] == "invalid_request_error", error
+    assert header in answer.text, error
+    assert upstream.requests == []
+    assert "unhandled error" not in gateway.log()
+
+
 def test_validate_runs_nothing(anthropic_client, upstream, gateway):
     headers = {"Authorization": f"Bearer {CLIENT_TOKEN}"}
     body = {"model": "default", "max_tokens": 64, "tools": [ZYLON],
