@@ -274,6 +274,11 @@ async def register_programmatic_tools(session_id: str, request: Request,
     token = body.get("token")
     if not isinstance(token, str) or not token:
         raise BadRequest(422, "token is required and must be a non-empty string")
+    # It goes out in a header: a line break made httpx refuse it in words that
+    # quote it (handed to the code as the call's error), and a letter past ASCII
+    # raised where no one answered the call, whose code waited out its limit.
+    if not (token.isascii() and token.isprintable()):
+        raise BadRequest(422, "token must be printable ASCII: it is sent as a bearer token")
     timeout = body.get("timeout_seconds", 300)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout <= 3600:
         raise BadRequest(422, "timeout_seconds must be a number from 1 to 3600")

@@ -388,6 +388,34 @@ def test_a_callback_name_that_resolves_to_a_private_address_is_refused(security_
     server.stop()
 
 
+def test_a_callback_token_that_cannot_be_a_header_is_refused_at_registration(
+        security_server_factory, internal_service):
+    """The sandbox never learns the token: one httpx could not send was accepted, and
+    each call then failed with httpx's words quoting the header, token and all, as
+    the ToolError the code read (or, past ASCII, went unanswered until its limit)."""
+    port = internal_service.server_address[1]
+    server = security_server_factory(callback_allow=f"127.0.0.1:{port}", pool_size=1)
+    with server.client() as http:
+        session = new_session(http)
+        try:
+            for token in ("hook-secret\nsecond-line", "hook-secret\x00", "hook-sécret"):
+                registered = http.post(
+                    f"/sessions/{session}/programmatic-tools/register", json={
+                        "callback_url": f"http://127.0.0.1:{port}/hook", "token": token,
+                        "tools": [{"name": "lookup", "doc": ""}], "timeout_seconds": 5})
+                if registered.status_code == 200:  # what the code could then read
+                    answer = execute(http, session, (
+                        "from _platform_tools import lookup, ToolError\n"
+                        "try:\n    print(lookup(q=1))\n"
+                        "except ToolError as e:\n    print('ToolError', e)\n"), timeout=30)
+                    assert "hook-s" not in answer.text, (repr(token), answer.text)
+                assert registered.status_code == 422, (repr(token), registered.text)
+                assert "hook-s" not in registered.text
+        finally:
+            http.delete(f"/sessions/{session}")
+    server.stop()
+
+
 # -- protocol v1 streaming exec -------------------------------------------------------------------
 def test_streamed_execs_a_client_left_cannot_pile_up_on_a_session(flood_server):
     """A streamed exec runs on whoever listens, so its client may leave at once: each
