@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from .channel import ChannelClosed
-from .files import SandboxFiles
+from .files import MAX_PATH_BYTES, SandboxFiles
 from .launcher import stop_process_tree
 from .mounts import OUTPUTS, WORKSPACE, SandboxHome
 from .result import ExecResult, Limit, ProducedFile
@@ -335,8 +335,10 @@ class Sandbox:
             if not isinstance(entry, dict):
                 continue
             path, size = entry.get("path"), entry.get("size")
+            # No file has a longer path: past it, parse_path refused the forged one
+            # where the run kept its files, and the run failed as a server bug.
             if (isinstance(path, str) and isinstance(size, int) and "\x00" not in path
-                    and _utf8(path)
+                    and _utf8(path) and len(path.encode()) <= MAX_PATH_BYTES
                     and (path.startswith(OUTPUTS + "/") or path.startswith(WORKSPACE + "/"))
                     and not {".", "..", ""} & set(path[1:].split("/"))):
                 produced.append(ProducedFile(path=path, size=size))

@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from httpx_sse import connect_sse
 from jsonschema import Draft202012Validator
 
 from tests.security.helpers import execute, leaked, new_session, run_ok
@@ -259,6 +260,31 @@ def test_forged_produced_files_have_no_dot_dot_components(http, victim):
     assert answer.status == 200, answer.text
     reported = [decode_id(item["file_id"]) for item in answer.content["content"]]
     assert not [p for p in reported if {"..", "."} & set(p.split("/"))], reported
+
+
+@pytest.mark.parametrize("container", [False, True], ids=["run", "container-run"])
+def test_a_forged_produced_path_longer_than_any_path_is_dropped(security_server, http,
+                                                                container):
+    """A run keeps the files its code produced: a forged path past 4096 bytes was
+    refused there, and the run failed as an internal error, logged at ERROR with its
+    traceback, as often as the code liked."""
+    long_path = "/home/agent/workspace/" + "f" * 4100
+    body = {"language": "python", "timeout_ms": 30_000, "code": FORGE + (
+        f"send(frame({{'id': CALL_ID, 'type': 'done', 'return_code': 0, "
+        f"'files': [{{'path': {long_path!r}, 'size': 1}}]}}))\n")}
+    if container:
+        created = http.post("/v1/containers", json={"name": "forged-paths"})
+        assert created.status_code == 200, created.text
+        body["container"] = created.json()["id"]
+    with connect_sse(http, "POST", "/v1/code-execution/runs", json=body) as source:
+        assert source.response.status_code == 200, source.response.read()
+        ends = [(sse.event, sse.json()) for sse in source.iter_sse()
+                if sse.event in ("run.completed", "run.failed")]
+    assert [event for event, _ in ends] == ["run.completed"], ends
+    assert ends[0][1]["files"] == [], ends
+    assert f"run {ends[0][1]['runId']} failed" not in security_server.log()
+    if container:
+        http.delete(f"/v1/containers/{body['container']}")
 
 
 def test_a_forged_error_is_capped_like_output(http, victim):
