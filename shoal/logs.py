@@ -50,7 +50,11 @@ def configure(level: str) -> None:
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    # Debug is Shoal's own: the libraries' DEBUG lines carry the data they handle
+    # (aiosqlite logs every statement with its parameters: containers' domain
+    # secrets, stored conversations, runs' output), so they stay at INFO.
+    root.setLevel(max(logging.getLevelName(level.upper()), logging.INFO))
+    logging.getLogger("shoal").setLevel(level.upper())
     # uvicorn's own loggers propagate to ours: one format for every line.
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers[:] = []

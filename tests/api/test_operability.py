@@ -149,6 +149,31 @@ def test_a_client_error_costs_no_log_line_at_the_default_level(watched, acme):
     assert len(log_lines(watched)) == before
 
 
+def test_the_debug_level_logs_no_tenants_secret_or_data(server_factory):
+    """aiosqlite logs each statement with its parameters at DEBUG: at the debug level
+    the log held every container's domain secrets and every run's output."""
+    server = server_factory(pool_size=1, log_level="debug", egress_allow="api.example.com")
+    secret, printed = "dsv-hunter2-domain-secret", "run-output-4f1c9"
+    with server.client() as http:
+        created = http.post("/v1/containers", json={"name": "debug-log", "network_policy": {
+            "type": "allowlist", "allowed_domains": ["api.example.com"],
+            "domain_secrets": [{"domain": "api.example.com", "name": "API_KEY",
+                                "value": secret}]}})
+        assert created.status_code == 200, created.text
+        container = created.json()["id"]
+        with http.stream("POST", "/v1/code-execution/runs", json={
+                "language": "python", "code": f"print({printed!r})",
+                "container": container}) as answer:
+            assert answer.status_code == 200
+            assert printed in answer.read().decode()
+        stored = wait_for_log(server, lambda e: e.get("route") == "/v1/code-execution/runs")
+        assert stored["level"] == "info", stored  # the access log: the level is in force
+        assert http.get(f"/v1/containers/{container}").status_code == 200
+    time.sleep(1)  # the run's record is stored after its stream ends
+    log = server.log()
+    assert secret not in log and printed not in log
+
+
 # -- metrics --------------------------------------------------------------------------------------
 def _scrape(http: httpx.Client) -> dict[tuple, float]:
     from prometheus_client.parser import text_string_to_metric_families
