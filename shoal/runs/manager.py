@@ -28,6 +28,7 @@ from shoal.sandbox.launcher import LaunchFailed
 from shoal.sandbox.mounts import OUTPUTS, WORKSPACE
 from shoal.sessions import (AtCapacity, ContainerFile, SandboxClosed, SessionManager, Slot,
                             UnknownContainer)
+from shoal.sessions.container_files import log_left_out
 from shoal.storage import ContainerRecord, RunRecord
 
 from shoal.egress.tokens import ModelAccess, model_env
@@ -474,6 +475,7 @@ class RunManager:
         run.container = await sessions.containers.create(run.tenant, implicit=True)
         run.implicit_container = True
         kept = []
+        dropped: list[tuple[str, str]] = []
         targets: set[tuple[str, ...]] = set()
         files = sandbox.files
         for item in produced[:GENERATED_FILES_PER_RUN]:
@@ -483,22 +485,21 @@ class RunManager:
             # outputs/b/r.txt and ./r.txt were one file, written over twice and
             # reported three times under one id.
             if path.parts in targets:
-                log.warning("run %s: produced file %s dropped: a newer file of the run has "
-                            "its place in outputs", run.id, item.path)
+                dropped.append((item.path, "a newer file of the run has its place in outputs"))
                 continue
             try:
                 handle, _ = await asyncio.to_thread(files.open_for_reading, path)
             except FileAccessError as exc:
-                log.warning("run %s: produced file %s dropped: %s", run.id, item.path, exc)
+                dropped.append((item.path, str(exc)))
                 continue
             with handle:
                 kept.append(await sessions.container_files.put(
                     run.container, SandboxPath(OUTPUTS, path.parts), handle,
                     source_kind="assistant", checkpoint=False))
             targets.add(path.parts)
-        for item in produced[GENERATED_FILES_PER_RUN:]:
-            log.warning("run %s: produced file %s dropped (at most %d per run)", run.id,
-                        item.path, GENERATED_FILES_PER_RUN)
+        dropped += [(item.path, f"at most {GENERATED_FILES_PER_RUN} per run")
+                    for item in produced[GENERATED_FILES_PER_RUN:]]
+        log_left_out(f"run {run.id}", "produced but not kept", dropped)
         if kept:  # one snapshot for the run's files, not one each
             await sessions.container_files.checkpoint(run.container)
         return kept

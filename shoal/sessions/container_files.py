@@ -368,7 +368,7 @@ class ContainerFiles:
     async def lay_out_external(self, record: ContainerRecord) -> int:
         """Put the container's files where a run reads them (``./external-files``):
         hard links in a read-only directory, at most 50, each within the file cap.
-        Anything left out is logged; returns how many were laid out."""
+        What is left out is logged; returns how many were laid out."""
         async with self._containers.using(record):
             items = await self.list(record)
             files = await self._containers.files_of(record)
@@ -376,20 +376,21 @@ class ContainerFiles:
             def lay_out() -> int:
                 files.clear(EXTERNAL)
                 laid = 0
+                left_out: list[tuple[str, str]] = []
                 for item in items:
                     source = parse_path(item.path)
                     key = item.key.split("/")
                     if laid >= EXTERNAL_FILES_PER_RUN or len(key) > _EXTERNAL_DEPTH:
-                        log.warning("container %s: %s not laid out in external-files (at most "
-                                    "%d files per run, %d levels deep)", record.id, item.key,
-                                    EXTERNAL_FILES_PER_RUN, _EXTERNAL_DEPTH)
+                        left_out.append((item.key, f"at most {EXTERNAL_FILES_PER_RUN} files "
+                                                   f"per run, {_EXTERNAL_DEPTH} levels deep"))
                         continue
                     try:
                         files.link(source, SandboxPath(EXTERNAL, tuple(key)))
                         laid += 1
                     except FileAccessError as exc:
-                        log.warning("container %s: %s not laid out in external-files: %s",
-                                    record.id, item.key, exc)
+                        left_out.append((item.key, str(exc)))
+                log_left_out(f"container {record.id}", "not laid out in external-files",
+                             left_out)
                 return laid
 
             return await asyncio.to_thread(lay_out)
@@ -400,6 +401,7 @@ class ContainerFiles:
         workspace are copied into outputs, files in outputs already are; at most
         ``limit``, each within the file cap. What is dropped is logged."""
         kept: list[ContainerFile] = []
+        dropped: list[tuple[str, str]] = []
         copied = False
         # Where each file lands in outputs. The run's newest file for a place
         # wins (``produced`` is newest first): ./x.txt copied over the
@@ -411,12 +413,11 @@ class ContainerFiles:
             for item in produced:
                 path = parse_path(item.path)
                 if path.mount in (WORKSPACE, OUTPUTS) and path.parts in taken:
-                    log.warning("container %s: produced file %s dropped: a newer file of the "
-                                "run has its place in outputs", record.id, item.path)
+                    dropped.append((item.path, "a newer file of the run has its place in "
+                                               "outputs"))
                     continue
                 if len(kept) >= limit:
-                    log.warning("container %s: produced file %s dropped (at most %d per run)",
-                                record.id, item.path, limit)
+                    dropped.append((item.path, f"at most {limit} per run"))
                     continue
                 try:
                     if path.mount == WORKSPACE and len(path.parts) == 1:
@@ -432,10 +433,10 @@ class ContainerFiles:
                         continue
                     taken.add(path.parts)
                 except FileAccessError as exc:
-                    log.warning("container %s: produced file %s dropped: %s", record.id,
-                                item.path, exc)
+                    dropped.append((item.path, str(exc)))
             if copied:  # one snapshot for the run's files, not one each
                 await self._containers.checkpoint(record)
+        log_left_out(f"container {record.id}", "produced but not kept", dropped)
         return kept
 
     async def produced(self, record: ContainerRecord, produced: list[ProducedFile]) -> list[ContainerFile]:
@@ -461,6 +462,18 @@ class ContainerFiles:
             if doomed:
                 await self._containers.checkpoint(record)
         return len(doomed)
+
+
+def log_left_out(owner: str, what: str, left_out: list[tuple[str, str]]) -> None:
+    """One line for the files of a run left out, and why the first was: how many
+    there are, and how long their names, is the tenant's doing (a container of a
+    thousand files, or 50 forged names of 4 KiB each call), and a warning for each
+    was the tenant's to multiply, hundreds of kilobytes a run at the default level.
+    The operator has nothing to do about them: info, as for a client's error."""
+    if left_out:
+        path, why = left_out[0]
+        log.info("%s: %d files %s; the first, %s: %s", owner, len(left_out), what,
+                 path[:256], why[:256])
 
 
 # A container's file named without its container: the form the Anthropic dialect

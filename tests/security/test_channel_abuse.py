@@ -287,6 +287,46 @@ def test_a_forged_produced_path_longer_than_any_path_is_dropped(security_server,
         http.delete(f"/v1/containers/{body['container']}")
 
 
+def test_the_files_a_run_leaves_out_cost_the_log_nothing_at_the_default_level(security_server,
+                                                                              http):
+    """Each file a run left out was a warning of its own: every run of a container of
+    a hundred files logged fifty (its files past the fifty laid out for it), and 50
+    forged names of 4 KiB each logged 400 KB, a run, as often as the tenant liked."""
+    created = http.post("/v1/containers", json={"name": "many-files"})
+    assert created.status_code == 200, created.text
+    container = created.json()["id"]
+
+    def run(code: str) -> dict:
+        with connect_sse(http, "POST", "/v1/code-execution/runs", json={
+                "language": "python", "code": code, "container": container,
+                "timeout_ms": 30_000}) as source:
+            ends = [(sse.event, sse.json()) for sse in source.iter_sse()
+                    if sse.event in ("run.completed", "run.failed")]
+        assert [event for event, _ in ends] == ["run.completed"], ends
+        return ends[0][1]
+
+    def write(count: int, prefix: str) -> str:
+        return (f"for i in range({count}):\n"
+                f"    open(f'/mnt/user-data/outputs/{prefix}{{i}}.txt', 'w').write('x')\n")
+
+    try:
+        for batch in range(2):
+            assert len(run(write(50, f"b{batch}-"))["files"]) == 50
+        before = len(security_server.log())
+        long_names = [{"path": f"/home/agent/workspace/{i:02d}" + "x" * 4000, "size": 1}
+                      for i in range(50)]
+        forged = run(FORGE + f"send(frame({{'id': CALL_ID, 'type': 'done', 'return_code': 0, "
+                             f"'files': {long_names!r}}}))\n")
+        assert forged["files"] == [], forged
+        laid_out = "import os\nprint(sum(len(f) for _, _, f in os.walk('external-files')))\n"
+        assert run(laid_out)["stdout"] == "50\n"
+        assert len(run(write(70, "c-"))["files"]) == 50
+        grown = security_server.log()[before:]
+        assert len(grown) < 2048, grown[:3000]
+    finally:
+        http.delete(f"/v1/containers/{container}")
+
+
 def test_a_forged_error_is_capped_like_output(http, victim):
     answer = execute(http, victim, FORGE + (
         "send(frame({'id': CALL_ID, 'type': 'done', 'return_code': 1, 'error': 'E' * 3_000_000}))"))
