@@ -9,6 +9,7 @@ here once and is documented in ``shoal serve --help`` for free.
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -324,6 +325,25 @@ class Settings(BaseSettings):
                                                                     "postgres://")):
             raise ValueError("a database URL is postgresql://user:password@host[:port]/database "
                              "(or '@/path/file' holding one)")
+        return url
+
+    # Else the server starts, and every gateway call is a 502 naming httpx's
+    # complaint ("missing an 'http://' or 'https://' protocol") to the client.
+    @field_validator("upstream_anthropic_url", "upstream_openai_url")
+    @classmethod
+    def _check_upstream_url(cls, value: str) -> str:
+        url = value.strip()
+        if not url:
+            return url
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises for a port that is not a number in range
+        except ValueError:
+            parts = None
+        if (parts is None or parts.scheme not in ("http", "https") or not parts.hostname
+                or any(char.isspace() or ord(char) < 32 for char in url)):
+            raise ValueError("an upstream is an http:// or https:// URL, e.g. "
+                             "https://api.anthropic.com")
         return url
 
     @field_validator("object_store")

@@ -423,6 +423,11 @@ def _one_clear_line(outcome: subprocess.CompletedProcess, *words: str) -> None:
     (("--uid-base", "4294967290"), ("uid_base 4294967290, uid_count 4096", "past 4294967294")),
     (("--uid-base", "4294967200", "--uid-count", "96"), ("run to 4294967295",)),
     (("--uid-base", "0"), ("--uid-base=0", "1000")),
+    # The server started, and every gateway call was a 502 with httpx's complaint.
+    (("--upstream-anthropic-url", "api.anthropic.com"),
+     ("--upstream-anthropic-url=api.anthropic.com", "http:// or https://")),
+    (("--upstream-openai-url", "ftp://models.internal"), ("--upstream-openai-url=",)),
+    (("--upstream-openai-url", "http://models.internal:99999"), ("http:// or https://",)),
 ])
 def test_a_bad_setting_is_one_line_and_exit_2(tmp_path, flags, words):
     _one_clear_line(_refused(tmp_path, *flags), "invalid setting", *words)
