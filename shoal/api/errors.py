@@ -168,6 +168,8 @@ def error_response(request: Request | None, status: int, detail: object,
 # The failures a stream that has begun can still name (its status is sent): an
 # exception type, its status, and the message if not the exception's own.
 _KNOWN: dict[type, tuple[int, str | None]] = {}
+# Those of them that are a resource running out, which the operator hears of.
+_EXHAUSTED: set[type] = set()
 
 
 def known_failure(exc: BaseException) -> tuple[int, str] | None:
@@ -180,14 +182,16 @@ def known_failure(exc: BaseException) -> tuple[int, str] | None:
 
 
 def stream_failure(exc: BaseException, what: str) -> tuple[int, str]:
-    """The status and words a stream that has begun ends with for ``exc``, logged:
-    a known failure as a warning, anything else as the bug it is (its words are
-    not the client's to see)."""
+    """The status and words a stream that has begun ends with for ``exc``, logged
+    as its JSON answer would be: a resource that ran out as a warning, a client's
+    mistake at info (it costs no line at the default level, streamed or not),
+    anything else as the bug it is (its words are not the client's to see)."""
     known = known_failure(exc)
     if known is None:
         log.error("%s failed mid-stream", what, exc_info=exc)
         return 500, "internal error"
-    log.warning("%s failed: %s", what, known[1], extra={"status": known[0]})
+    level = logging.WARNING if isinstance(exc, tuple(_EXHAUSTED)) else logging.INFO
+    log.log(level, "%s failed: %s", what, known[1], extra={"status": known[0]})
     return known
 
 
@@ -261,6 +265,7 @@ def install(app: FastAPI) -> None:
             return error_response(request, status, message or str(exc))
         handler(exception)(render)
         _KNOWN[exception] = (status, message)
+        _EXHAUSTED.add(exception)
 
     exhausted(AtCapacity, 503)
     exhausted(PoolBusy, 503)

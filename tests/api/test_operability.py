@@ -174,6 +174,24 @@ def test_the_debug_level_logs_no_tenants_secret_or_data(server_factory):
     assert secret not in log and printed not in log
 
 
+def test_a_streamed_calls_client_error_costs_no_log_line_either(watched, acme):
+    # Each was a warning: a tenant's stream of calls too large to run wrote a line
+    # apiece at the default level, where the same call unstreamed wrote none.
+    session_id = new_session(acme)
+    try:
+        before = len(log_lines(watched))
+        for _ in range(3):
+            with acme.stream("POST", f"/sessions/{session_id}/exec",
+                             headers={"accept": "text/event-stream"},
+                             json={"tool": "code_execution",
+                                   "input": {"code": "#" + "x" * (5 << 20)}}) as answer:
+                assert answer.status_code == 200
+                assert '"status": 413' in answer.read().decode()
+        assert len(log_lines(watched)) == before, log_lines(watched)[before:]
+    finally:
+        acme.delete(f"/sessions/{session_id}")
+
+
 # -- metrics --------------------------------------------------------------------------------------
 def _scrape(http: httpx.Client) -> dict[tuple, float]:
     from prometheus_client.parser import text_string_to_metric_families
