@@ -56,10 +56,18 @@ def startup_problems(settings: Settings) -> list[str]:
     if problem:
         found.append(problem)
     for name in ("upstream_anthropic_key", "upstream_openai_key"):
+        setting = getattr(settings, name).strip()
         try:
-            read_secret(getattr(settings, name))
+            key = read_secret(setting)
         except ValueError as exc:
             found.append(f"{name}: {exc}")
+            continue
+        # Sent as a header, which httpx encodes as ASCII: a key pasted with its
+        # typographic quotes made every gateway call a 500.
+        if not key.isascii():
+            where = setting[1:] if setting.startswith("@") else "the value"
+            found.append(f"{name}: {where} holds a character past ASCII, which a header "
+                         "cannot carry (typographic quotes around the key?)")
     try:
         problem = files_problem(settings.object_store_config())
     except ValueError as exc:

@@ -497,6 +497,8 @@ def test_a_database_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, url, wo
     # gateway call failed with a 502 whose message quoted the header, key and all.
     ("# the production key\nsk-ant-hunter2\n", ("holds more than one line",)),
     ("sk-ant-hunter2\nsk-ant-older-hunter2\n", ("holds more than one line",)),
+    # Every gateway call was a 500: httpx encodes a header as ASCII.
+    ("\u201csk-ant-hunter2\u201d\n", ("past ASCII",)),
     (None, ("cannot read",)),
 ])
 def test_an_upstream_key_that_cannot_be_sent_is_refused_at_start(tmp_path, command, held,
