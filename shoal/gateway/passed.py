@@ -33,9 +33,10 @@ log = logging.getLogger("shoal.gateway")
 
 # As long as OpenAI keeps a stored response (30 days): past it, no one's to continue.
 KEPT_SECONDS = 30 * 86400
-# How far into a stream its first event (response.created, which names the
-# response) is looked for.
-_CREATED_WITHIN = 64 * 1024
+# The largest event of a stream held whole to be read: response.created echoes
+# the request's instructions and tools (an agent's run to hundreds of KiB).
+# Past it the event goes by unread, and what it named is noted as no one's.
+_EVENT_LIMIT = 32 * 1024 * 1024
 
 
 class NotYours(LookupError):
@@ -87,16 +88,14 @@ class PassedResponses:
 
     async def _noting(self, chunks: AsyncIterator[bytes], tenant: str,
                       scope: str | None) -> AsyncIterator[bytes]:
-        seen: bytes | None = b""
+        events: _Events | None = _Events()
         try:
             async for chunk in chunks:
-                if seen is not None:
-                    seen += chunk
-                    made = _created_id(seen)
+                if events is not None:
+                    made = events.created_id(chunk)
                     if made is not None:
                         await self._note(made, tenant, scope)
-                    if made is not None or len(seen) > _CREATED_WITHIN:
-                        seen = None
+                        events = None
                 yield chunk
         finally:
             await close_iterator(chunks)
@@ -113,18 +112,77 @@ class PassedResponses:
         return await self._metadata.delete_passed_responses_before(time.time() - KEPT_SECONDS)
 
 
-def _created_id(stream: bytes) -> str | None:
-    """The response id a stream's ``response.created`` event names, once the
-    event is whole in ``stream``; None before (or if it names none)."""
-    for event in stream.replace(b"\r\n", b"\n").split(b"\n\n")[:-1]:
-        data = b"\n".join(line[5:].lstrip(b" ") for line in event.split(b"\n")
-                          if line.startswith(b"data:"))
-        try:
-            parsed = json.loads(data)
-        except ValueError:
-            continue
-        if isinstance(parsed, dict) and parsed.get("type") == "response.created":
-            made = parsed.get("response")
-            made = made.get("id") if isinstance(made, dict) else None
-            return made if isinstance(made, str) else None
+class _Events:
+    """A stream's events, read as its chunks pass, for the ``response.created``
+    that names its response: the event is held until it is whole, however
+    long (it echoes the request's instructions and tools: only the first 64 KiB
+    were looked into, and a longer one left the response no one's, refused to
+    its own tenant). Any other event goes by without being held."""
+
+    _WANTED = b"response.created"
+
+    def __init__(self) -> None:
+        self._held: list[bytes] = []  # the event so far, while it may be the one
+        self._size = 0
+        self._skipping = False  # the event under way is another (or too long)
+        self._named = False  # its first line has been read
+        self._edge = b""  # the last byte read: a "\n" that may begin the blank line
+        self._cr = b""  # a "\r" that may begin a CRLF cut between chunks
+
+    def created_id(self, chunk: bytes) -> str | None:
+        """The id the stream's response.created names, once that event is whole."""
+        text, self._cr = self._cr + chunk, b""
+        if text.endswith(b"\r"):
+            text, self._cr = text[:-1], b"\r"
+        text = text.replace(b"\r\n", b"\n")
+        while text:
+            end = (self._edge + text).find(b"\n\n")
+            if end < 0:
+                self._take(text)
+                return None
+            end -= len(self._edge)  # -1: the blank line began with the last byte read
+            self._take(text[:max(end, 0)])
+            event = None if self._skipping else b"".join(self._held)
+            self._held, self._size, self._edge = [], 0, b""
+            self._skipping = self._named = False
+            text = text[end + 2:]
+            made = _created_id(event) if event is not None else None
+            if made is not None:
+                return made
+        return None
+
+    def _take(self, piece: bytes) -> None:
+        if not piece:
+            return
+        self._edge = piece[-1:]
+        if self._skipping:
+            return
+        self._held.append(piece)
+        self._size += len(piece)
+        if self._size > _EVENT_LIMIT:
+            log.warning("a passed-through stream's event passed %d bytes unread: the response "
+                        "it names, if any, is no one's", _EVENT_LIMIT)
+            self._held, self._skipping = [], True
+            return
+        if self._named:
+            return
+        line, ended, _ = b"".join(self._held).partition(b"\n")
+        if ended or len(line) > 64:
+            self._named = True
+            if line.startswith(b"event:") and line[6:].strip() != self._WANTED:
+                self._held, self._skipping = [], True  # another event: not held
+
+
+def _created_id(event: bytes) -> str | None:
+    """The response id a whole ``response.created`` event names (None for another)."""
+    data = b"\n".join(line[5:].lstrip(b" ") for line in event.split(b"\n")
+                      if line.startswith(b"data:"))
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return None
+    if isinstance(parsed, dict) and parsed.get("type") == "response.created":
+        made = parsed.get("response")
+        made = made.get("id") if isinstance(made, dict) else None
+        return made if isinstance(made, str) else None
     return None

@@ -1193,6 +1193,23 @@ def test_a_passed_through_conversation_is_continued_by_its_own_tenant_only(
         assert upstream.requests[-1].body["previous_response_id"] == previous
 
 
+def test_a_long_streamed_start_is_noted_too(upstream, openai_client):
+    """A stream's response.created echoes the request's instructions and tools,
+    and only its first 64 KiB were looked into for it: an agent's long
+    instructions (or many tools) made a response that no one owned, and its own
+    tenant's next turn was refused (404) as if it were another's."""
+    instructions = "Follow these rules. " + "Be precise and kind. " * 12000  # ~250 KB
+    upstream.script(openai_turn(message("streamed with long rules"), chunk=4))
+    with openai_client.responses.stream(model=MODEL, input="hi",
+                                        instructions=instructions) as stream:
+        streamed = stream.get_final_response()
+    upstream.script(openai_turn(message("carried on")))
+    carried = openai_client.responses.create(model=MODEL, input="and then?",
+                                             previous_response_id=streamed.id)
+    assert carried.output_text == "carried on"
+    assert upstream.requests[-1].body["previous_response_id"] == streamed.id
+
+
 UPSTREAM_FAILURES = [
     (429, openai.RateLimitError, "Rate limit reached for scripted-model in organization org-x"),
     (500, openai.InternalServerError, "The upstream server had an error while processing your request"),
