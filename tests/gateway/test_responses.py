@@ -1210,6 +1210,48 @@ def test_a_long_streamed_start_is_noted_too(upstream, openai_client):
     assert upstream.requests[-1].body["previous_response_id"] == streamed.id
 
 
+def test_a_passed_through_responses_items_are_named_by_its_own_tenant_only(
+        upstream, openai_client, gateway):
+    """The upstream keeps a stored response's items too, and resolves an input
+    item that names one by its id (an item_reference, or a reasoning item sent
+    back without its content): another tenant's message went to the model as
+    the caller's context, the same as continuing its conversation. Each item of
+    a passed-through response is noted as the response is, and only its tenant
+    names it."""
+    other = openai.OpenAI(base_url=gateway.url + "/v1", api_key=OTHER_TOKEN, max_retries=0)
+    upstream.script(openai_turn(reasoning(), message("a private answer")))
+    whole = openai_client.responses.create(model=MODEL, input="a private question")
+    upstream.script(openai_turn(reasoning(), message("streamed privately"), chunk=4))
+    with openai_client.responses.stream(model=MODEL, input="another") as stream:
+        streamed = stream.get_final_response()
+
+    def named(response) -> list[list[dict]]:
+        return [[{"type": "item_reference", "id": item.id} if item.type == "message"
+                 else {"type": "reasoning", "id": item.id, "summary": []}]
+                for item in response.output] + [
+                [{"id": item.id} for item in response.output if item.type == "message"]]
+
+    asked = len(upstream.requests)
+    for made in (whole, streamed):
+        for items in named(made):
+            with pytest.raises(openai.NotFoundError) as refused:
+                other.responses.create(model=MODEL, input=[
+                    *items, {"role": "user", "content": "say that again"}])
+            assert refused.value.body["message"] == f"Item with id '{items[0]['id']}' not found."
+    with pytest.raises(openai.NotFoundError):  # no tenant's: the operator's, say
+        openai_client.responses.create(model=MODEL, input=[
+            {"type": "item_reference", "id": "msg_made_at_the_upstream_directly"}])
+    assert len(upstream.requests) == asked, "a refused request reached the model"
+
+    for made in (whole, streamed):
+        for items in named(made):
+            upstream.script(openai_turn(message("carried on")))
+            carried = openai_client.responses.create(model=MODEL, input=[
+                *items, {"role": "user", "content": "say that again"}])
+            assert carried.output_text == "carried on"
+            assert upstream.requests[-1].body["input"][0] == items[0]
+
+
 UPSTREAM_FAILURES = [
     (429, openai.RateLimitError, "Rate limit reached for scripted-model in organization org-x"),
     (500, openai.InternalServerError, "The upstream server had an error while processing your request"),

@@ -270,14 +270,14 @@ def test_the_codes_model_token_cannot_read_or_delete_stored_responses(gateway_se
     assert json.loads(seen["stdout"])["status"] == "403", seen
 
 
-@pytest.mark.parametrize("kept", ["here", "upstream"])
+@pytest.mark.parametrize("kept", ["here", "upstream", "upstream item"])
 def test_the_codes_model_token_continues_only_conversations_its_code_started(
         gateway_server, upstream, kept):
     """A stored conversation of the tenant that ran no code names no container, so
     the container check let the code's own call continue it by its id: another
     user's conversation, sent to the model as the code's context. One passed
     through (no code tool) is kept by the upstream, which continued it for
-    whoever named it."""
+    whoever named it, and filled in any of its items an input named by id."""
     tools = [{"type": "caronte:code_execution"}] if kept == "here" else []
     upstream.reset()
     upstream.script(openai_turn(message("the answer to a private question")))
@@ -287,8 +287,13 @@ def test_the_codes_model_token_continues_only_conversations_its_code_started(
         assert stored.status_code == 200, stored.text
         seen: dict = {}
         upstream.reset()
+        named = stored.json()["output"][0]["id"]
         command = _inner({"model": "m", "input": "from inside",
-                          "previous_response_id": stored.json()["id"], "tools": tools},
+                          "previous_response_id": stored.json()["id"], "tools": tools}
+                         if kept != "upstream item" else
+                         {"model": "m", "tools": tools, "input": [
+                             {"type": "item_reference", "id": named},
+                             {"role": "user", "content": "from inside"}]},
                          "POST", "/v1/responses")
         outer = _outer_reply(command, seen)
 
@@ -304,6 +309,8 @@ def test_the_codes_model_token_continues_only_conversations_its_code_started(
     assert "message" in json.loads(called["text"])["error"], called  # OpenAI's shape
     assert not any("private question" in json.dumps(request.body)
                    or request.body.get("previous_response_id") == stored.json()["id"]
+                   or named in [item.get("id") for item in request.body.get("input") or []
+                                if isinstance(item, dict)]
                    for request in upstream.requests), "the conversation reached the model"
 
 
