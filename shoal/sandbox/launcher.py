@@ -93,6 +93,8 @@ class SandboxProcess:
     outer_pid: int = 0
     forked_agent: int = 0
     errors_fd: int = -1  # our end of bwrap's stderr pipe, closed with the sandbox
+    # The zygote that forked it (None: bwrap's): its forks die with it.
+    zygote: Zygote | None = None
 
     def close_channel(self) -> None:
         self.channel.close()
@@ -180,7 +182,7 @@ async def launch(config: LaunchConfig, home: SandboxHome, uid: int, cgroup: Cgro
         raise
     agent_pid = hello.get("pid") if isinstance(hello.get("pid"), int) else 0
     return SandboxProcess(popen=popen, channel=channel, agent_pid=agent_pid, outer_pid=outer_pid,
-                          forked_agent=forked_agent, errors_fd=errors_read)
+                          forked_agent=forked_agent, errors_fd=errors_read, zygote=config.zygote)
 
 
 def _cap_ptys(bwrap_pid: int) -> None:

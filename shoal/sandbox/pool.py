@@ -180,6 +180,13 @@ class SandboxPool:
             dead.close()
             log.error("the zygote stopped (exit status %s; last words: %s): starting another",
                       status, last_words[-500:] or "none")
+            # Its forks died with it (a wedged one is killed here): a warm one left
+            # in the pool went to the next lease as new, and its first call found
+            # no interpreter (restarted, its code not run).
+            stale = [sandbox for sandbox in self._ready if self._stale(sandbox)]
+            for sandbox in stale:
+                self._ready.remove(sandbox)
+            await asyncio.gather(*(sandbox.close() for sandbox in stale), return_exceptions=True)
             zygote = Zygote(self._config.runtime, self._config.agent_root, self.settings.preload,
                             self.egress_dir, self.settings.zygote_spawn_seconds)
             try:
@@ -190,6 +197,11 @@ class SandboxPool:
             self._zygote = zygote
             self._config = dataclasses.replace(self._config, zygote=zygote)
             self.stats.zygote_restarts += 1
+
+    def _stale(self, sandbox: Sandbox) -> bool:
+        """Whether ``sandbox`` was forked by a zygote no longer in use (and died with it)."""
+        forked_by = sandbox._process.zygote
+        return forked_by is not None and (forked_by is not self._zygote or not forked_by.alive)
 
     async def wait_warm(self, timeout: float = 120.0) -> None:
         """Wait until the pool holds its full size (benchmarks, tests)."""
@@ -434,8 +446,8 @@ class SandboxPool:
             self._wakeup.set()  # try again, after the back-off
             raise
         self.warm_failures = 0
-        if self._closing:
-            await sandbox.close()
+        if self._closing or self._stale(sandbox):
+            await sandbox.close()  # forked by a zygote replaced since: dead with it
         else:
             self._ready.append(sandbox)
 

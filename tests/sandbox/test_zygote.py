@@ -302,6 +302,34 @@ async def test_a_wedged_zygote_is_replaced(tmp_path):
         assert wedged not in _zygote_pids(), "the wedged zygote was left behind"
 
 
+async def test_the_warm_sandboxes_of_a_replaced_zygote_are_not_handed_out(tmp_path):
+    """A zygote's forks die with it, and a wedged one is now killed to be
+    replaced: the warm sandboxes it had forked stayed in the pool, and each went
+    to a later lease as new, whose first call found no interpreter (restarted,
+    its code not run). They leave the pool with their zygote."""
+    async with _own_pool(tmp_path, 285_000, zygote_spawn_seconds=2, pool_size=2) as pool:
+        await pool.wait_warm()
+        wedged = pool._zygote._popen.pid
+        os.kill(wedged, signal.SIGSTOP)
+        taken = await pool.lease()  # the refill launches another in its place: a spawn
+        try:
+            deadline = time.monotonic() + 60
+            while pool.stats.zygote_restarts == 0 or len(pool._ready) < 2:
+                assert time.monotonic() < deadline, "the wedged zygote was not replaced"
+                await asyncio.sleep(0.05)
+        finally:
+            if Path(f"/proc/{wedged}").exists():
+                os.kill(wedged, signal.SIGCONT)  # not replaced: the test failed
+        await taken.close()
+        while pool._ready:  # what a new session would be given
+            sandbox = await pool.lease()
+            try:
+                ran = await sandbox.run_python("print('ran')")
+            finally:
+                await sandbox.close()
+            assert (ran.stdout, ran.restarted) == ("ran\n", False), ran
+
+
 def _children_of(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as handle:
         return [int(child) for child in handle.read().split()]
