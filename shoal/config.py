@@ -246,10 +246,13 @@ class Settings(BaseSettings):
                                       "with the preloaded modules imported, sharing their "
                                       "memory; bubblewrap where it cannot run) or 'bwrap' (a "
                                       "bubblewrap process each).")
-    zygote_spawn_seconds: float = Field(30.0, gt=0, description="How long a launch waits for "
+    zygote_spawn_seconds: float = Field(30.0, ge=12, description="How long a launch waits for "
                                         "the zygote's answer. A zygote that has answered "
                                         "nothing at all in that time (stopped, deadlocked, its "
-                                        "builder hung) is replaced, as a dead one is.")
+                                        "builder hung) is replaced, as a dead one is, and the "
+                                        "sandboxes it forked die with it. At least 12 s: a "
+                                        "healthy zygote answers within its builder's 10 s "
+                                        "deadline for a sandbox's walls, however busy.")
     pool_size: int = Field(4, ge=0, description="Warm sandboxes kept ready to lease.")
     pool_max: int = Field(32, ge=0, description="How far the warm pool grows past pool_size "
                           "while leases outrun it (a burst); it shrinks back when they stop.")

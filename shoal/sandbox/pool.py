@@ -247,10 +247,15 @@ class SandboxPool:
     async def lease(self) -> Sandbox:
         if self._closing:
             raise RuntimeError("the pool is closing")
-        if self._ready:
+        while self._ready:
             sandbox = self._ready.pop()
-            _set_group_weight(sandbox._cgroup, _CPU_WEIGHT)
             self._wakeup.set()
+            if self._stale(sandbox):
+                # Its zygote died (an OOM kill) since it was forked, and it with it:
+                # its first call would find no interpreter.
+                await sandbox.close()
+                continue
+            _set_group_weight(sandbox._cgroup, _CPU_WEIGHT)
             return sandbox
         # A miss: demand outran the pool, which grows for the next burst.
         self._missed_at = time.monotonic()

@@ -284,7 +284,7 @@ async def test_a_wedged_zygote_is_replaced(tmp_path):
     after the builder), the zygote kept its place: every launch waited a whole
     spawn's time for it, failed, and the next did the same, for good. Silent
     through a spawn's whole wait, it is replaced, as a dead one is."""
-    async with _own_pool(tmp_path, 284_000, zygote_spawn_seconds=2) as pool:
+    async with _own_pool(tmp_path, 284_000, zygote_spawn_seconds=12) as pool:
         first = await pool.lease()  # it answers while it is not stopped
         await first.close()
         wedged = pool._zygote._popen.pid
@@ -307,7 +307,7 @@ async def test_the_warm_sandboxes_of_a_replaced_zygote_are_not_handed_out(tmp_pa
     replaced: the warm sandboxes it had forked stayed in the pool, and each went
     to a later lease as new, whose first call found no interpreter (restarted,
     its code not run). They leave the pool with their zygote."""
-    async with _own_pool(tmp_path, 285_000, zygote_spawn_seconds=2, pool_size=2) as pool:
+    async with _own_pool(tmp_path, 285_000, zygote_spawn_seconds=12, pool_size=2) as pool:
         await pool.wait_warm()
         wedged = pool._zygote._popen.pid
         os.kill(wedged, signal.SIGSTOP)
@@ -321,13 +321,36 @@ async def test_the_warm_sandboxes_of_a_replaced_zygote_are_not_handed_out(tmp_pa
             if Path(f"/proc/{wedged}").exists():
                 os.kill(wedged, signal.SIGCONT)  # not replaced: the test failed
         await taken.close()
-        while pool._ready:  # what a new session would be given
-            sandbox = await pool.lease()
-            try:
-                ran = await sandbox.run_python("print('ran')")
-            finally:
-                await sandbox.close()
-            assert (ran.stdout, ran.restarted) == ("ran\n", False), ran
+        await _every_ready_one_runs(pool)
+
+
+async def test_the_warm_sandboxes_of_a_zygote_killed_are_not_handed_out(tmp_path):
+    """Killed outright (the OOM killer), the zygote took its warm forks with it,
+    and the next lease was given one of them (before any launch noticed)."""
+    async with _own_pool(tmp_path, 286_000, pool_size=2) as pool:
+        await pool.wait_warm()
+        dead = pool._zygote._popen.pid
+        os.kill(dead, signal.SIGKILL)
+        zygote = pool._zygote
+        deadline = time.monotonic() + 10
+        while zygote.alive:  # its socket closed, its threads gone (numpy's too)
+            assert time.monotonic() < deadline, "the killed zygote still looks alive"
+            await asyncio.sleep(0.01)
+        await _every_ready_one_runs(pool, at_least=1)
+        assert pool._zygote._popen.pid != dead
+
+
+async def _every_ready_one_runs(pool, at_least: int = 0) -> None:
+    """Lease what a new session would be given, until the pool has none left."""
+    leased = 0
+    while pool._ready or leased < at_least:
+        sandbox = await asyncio.wait_for(pool.lease(), 120)
+        leased += 1
+        try:
+            ran = await sandbox.run_python("print('ran')")
+        finally:
+            await sandbox.close()
+        assert (ran.stdout, ran.restarted) == ("ran\n", False), ran
 
 
 def _children_of(pid: int) -> list[int]:
