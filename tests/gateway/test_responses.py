@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import sqlite3
 import time
 
 import openai
@@ -1644,36 +1645,48 @@ def test_stored_response_is_retrievable_unless_store_false(upstream, openai_clie
                                        previous_response_id=unstored.id)
 
 
-def test_stored_responses_are_forgotten_when_their_retention_ends(upstream, gateway_factory):
+def test_a_stored_response_past_its_retention_is_gone_at_once(upstream, gateway_factory):
     """response_retention_seconds was read by nothing: every stored response
-    stayed readable and continuable, and counted against its tenant's quota, for
-    good. Past it, a response is gone at once (retrieve, continue, delete: 404),
-    and the sweep deletes it, which gives its tenant's quota back."""
-    server = gateway_factory(response_retention_seconds=3, tenant_max_stored_response_bytes=1_000)
+    stayed readable and continuable for good. Past it, one is gone at once
+    (retrieve, continue, delete: 404), whether or not the sweep has come by: here
+    it has not (it comes at the start, then every minute), and the row, aged in
+    the server's own database, is still there."""
+    server = gateway_factory(response_retention_seconds=600)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=CLIENT_TOKEN, max_retries=0)
     upstream.script(openai_turn(message("Noted.")))
-    kept = client.responses.create(model=MODEL, input="Remember " + "p" * 2_000, tools=[CI_AUTO])
-    stored_at = time.monotonic()
+    kept = client.responses.create(model=MODEL, input="Remember", tools=[CI_AUTO])
     assert client.responses.retrieve(kept.id).output_text == "Noted."
-    with pytest.raises(openai.RateLimitError):  # it counts against the quota
-        client.responses.create(model=MODEL, input="Hi", tools=[CI_AUTO])
+    with sqlite3.connect(server.data_dir / "shoal.sqlite3", timeout=30) as db:
+        aged = db.execute("UPDATE responses SET created_at = created_at - 601 WHERE id = ?",
+                          (kept.id,)).rowcount
+    assert aged == 1
 
-    time.sleep(max(0.0, stored_at + 3.5 - time.monotonic()))
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(kept.id)
     with pytest.raises(openai.NotFoundError):
-        client.responses.create(model=MODEL, input="And?", tools=[CI_AUTO], store=False,
+        client.responses.create(model=MODEL, input="And?", tools=[CI_AUTO],
                                 previous_response_id=kept.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.delete(kept.id)
     assert upstream.requests == [upstream.requests[0]]  # the model was asked once only
+    with sqlite3.connect(server.data_dir / "shoal.sqlite3", timeout=30) as db:
+        assert db.execute("SELECT count(*) FROM responses WHERE id = ?", (kept.id,)).fetchone() == (1,)
 
-    # Swept (every 1.5 s with a 3 s retention): the tenant's quota is free again.
+
+def test_the_sweep_forgets_stored_responses_past_their_retention(upstream, gateway_factory):
+    """Swept (every 1.5 s with a 3 s retention), an expired response no longer
+    counts against its tenant's quota: it counted for good."""
+    server = gateway_factory(response_retention_seconds=3, tenant_max_stored_response_bytes=1_000)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=CLIENT_TOKEN, max_retries=0)
+    upstream.script(openai_turn(message("Noted.")))
+    client.responses.create(model=MODEL, input="Remember " + "p" * 2_000, tools=[CI_AUTO])
+    with pytest.raises(openai.RateLimitError):  # it counts against the quota
+        client.responses.create(model=MODEL, input="Hi", tools=[CI_AUTO])
     upstream.script(openai_turn(message("Room again.")))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 15
     while True:
         try:
-            answer = client.responses.create(model=MODEL, input="Hi", tools=[CI_AUTO], store=True)
+            answer = client.responses.create(model=MODEL, input="Hi", tools=[CI_AUTO])
             break
         except openai.RateLimitError:
             assert time.monotonic() < deadline, "the expired response was never swept"
