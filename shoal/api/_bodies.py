@@ -29,6 +29,30 @@ def distinct_file_ids(file_ids: list[str], param: str = "file_ids") -> list[str]
         raise BadRequest(400, f"{param} {exc}", param=param) from None
 
 
+class _Twice(ValueError):
+    pass
+
+
+def _once_each(pairs: list[tuple[str, object]]) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _Twice(key)
+        seen[key] = value
+    return seen
+
+
+def key_named_twice(raw: bytes) -> str | None:
+    """A key an object of the (valid) JSON ``raw`` names twice, or None. Parsers
+    differ on which of the two counts: a body checked here as one thing may be
+    read by the server it is passed on to as another."""
+    try:
+        json.loads(raw, object_pairs_hook=_once_each)
+    except _Twice as twice:
+        return str(twice)
+    return None
+
+
 async def read_json_object(request: Request, required: bool = True) -> dict:
     raw = await request.body()
     if not raw.strip():

@@ -18,7 +18,7 @@ from shoal.streaming import StreamingBody
 from shoal.gateway.openai import InvalidResponsesRequest, parse_request
 from shoal.gateway.upstream import check_forwarded
 
-from ._bodies import read_json_object
+from ._bodies import key_named_twice, read_json_object
 from ._gateway import drain, first_chunk, held, streamed, unless_gone
 from ._responses import json_response
 from .auth import model_scope, tenant_of
@@ -58,8 +58,13 @@ async def create_response(request: Request, tenant: str = Depends(tenant_of)) ->
     except UpstreamNotConfigured as exc:
         raise BadRequest(501, str(exc)) from None
     if parsed is None:
-        if body.get("conversation") is not None and (
-                gateway.passed.shared or model_scope(request) is not None):
+        guarded = gateway.passed.shared or model_scope(request) is not None
+        twice = key_named_twice(await request.body()) if guarded else None
+        if twice is not None:
+            # Passed on as sent: the upstream's parser might take the value the
+            # checks below did not see (previous_response_id, an item's id).
+            raise BadRequest(400, f"the body names {twice!r} twice in one object")
+        if body.get("conversation") is not None and guarded:
             raise BadRequest(400, "conversation is not served here: the upstream's "
                                   "conversations are the operator's, whoever made them; "
                                   "continue a response with previous_response_id",

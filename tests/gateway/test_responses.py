@@ -1184,6 +1184,14 @@ def test_a_passed_through_conversation_is_continued_by_its_own_tenant_only(
     with pytest.raises(openai.BadRequestError) as refused:  # the upstream's, whoever made it
         other.responses.create(model=MODEL, input="hi", conversation="conv_anyones")
     assert refused.value.body["param"] == "conversation"
+    # Parsers differ on which of two values of one key counts: the check and the
+    # upstream must read the same one.
+    with gateway.client(OTHER_TOKEN) as raw:
+        twice = raw.post("/v1/responses", content=(
+            f'{{"model": "{MODEL}", "input": "hi", "previous_response_id": "{whole.id}", '
+            f'"previous_response_id": "resp_mine"}}'), headers={"content-type": "application/json"})
+    assert twice.status_code == 400, twice.text
+    assert "previous_response_id" in twice.json()["error"]["message"]
     assert len(upstream.requests) == asked, "a refused request reached the model"
 
     for previous in (whole.id, streamed.id):
