@@ -26,6 +26,7 @@ import httpx
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .driver import connect
 from .host import HOST_RESOURCE, NAMESPACE, SandboxHost, node_key
 from .slots import SLOT_RESOURCE, Probe, Probes
 
@@ -70,14 +71,7 @@ class Membership:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        address = None if self._address == "auto" else self._address
-        await asyncio.to_thread(ray.init, address=address or "auto", namespace=NAMESPACE,
-                                logging_level=logging.WARNING, log_to_driver=False)
-        # Ray's logging set-up (dictConfig) disables the loggers that existed
-        # before it: ours keep logging.
-        for name, logger in logging.Logger.manager.loggerDict.items():
-            if name.startswith(("shoal", "uvicorn")) and isinstance(logger, logging.Logger):
-                logger.disabled = False
+        await connect(self._address or "auto", NAMESPACE)
         await self.refresh(wait=True)
         self._task = asyncio.create_task(self._forever())
 

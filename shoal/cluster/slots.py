@@ -48,6 +48,8 @@ from ray.util import get_placement_group
 from ray.util.placement_group import (PlacementGroup, placement_group, placement_group_table,
                                       remove_placement_group)
 
+from .driver import connect
+
 log = logging.getLogger("shoal.cluster")
 
 SLOT_RESOURCE = "shoal_slot"
@@ -151,11 +153,7 @@ class Reservations:
     async def start(self) -> None:
         self._connected = not ray.is_initialized()
         if self._connected:
-            await asyncio.to_thread(ray.init, address=self._address, namespace=self._namespace,
-                                    logging_level=logging.WARNING, log_to_driver=False)
-            for name, logger in logging.Logger.manager.loggerDict.items():
-                if name.startswith(("shoal", "uvicorn")) and isinstance(logger, logging.Logger):
-                    logger.disabled = False  # Ray's dictConfig disabled them
+            await connect(self._address, self._namespace)
         nodes = await asyncio.to_thread(ray.nodes)
         mine = next((n for n in nodes if n["NodeID"] == self._node_id), None)
         self.total = int((mine or {}).get("Resources", {}).get(SLOT_RESOURCE, 0))

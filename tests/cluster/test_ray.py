@@ -312,6 +312,67 @@ def test_a_drained_host_finishes_its_calls_then_its_containers_move(cluster):
         assert front.process.wait(60) is not None
 
 
+def test_a_drain_longer_than_three_seconds_is_not_cut_short(cluster):
+    """A host server and a front end are Ray drivers, and Ray's crash handler
+    (abseil's) took their SIGTERM: it passed the signal on to the drain, but
+    armed an alarm that aborted the process three seconds later. A drain that
+    took longer (a call still running, containers to snapshot, a loaded
+    machine) ended in SIGABRT: the call was cut, and the host, dead by a signal
+    that is no drain, was replaced on the node it was leaving while its
+    containers waited for it ("starting; retry"). A drain as long as the
+    shutdown grace allows runs to its end."""
+    front = cluster.front_end("front")
+    with front.client() as http:
+        container = http.post("/v1/containers", json={"name": "slow"}).json()["id"]
+        session = http.post("/sessions", json={"container": container}).json()["session_id"]
+        node = _host_of(session)
+        answers = []
+
+        def long_call() -> None:
+            with front.client() as own:
+                answers.append(own.post(f"/sessions/{session}/exec", json={
+                    "tool": "code_execution", "input": {"code": (
+                        "import time\ntime.sleep(6)\n"
+                        "open('late.txt', 'w').write('finished')\nprint('done')")}}))
+
+        caller = threading.Thread(target=long_call)
+        caller.start()
+        time.sleep(1)
+        os.kill(cluster.host_server(node), signal.SIGTERM)
+        caller.join(60)
+        assert answers and answers[0].status_code == 200, answers
+        assert answers[0].json()["result_block"]["content"]["stdout"] == "done\n"
+
+        deadline = time.monotonic() + 60
+        while http.get("/health").json()["hosts"] != 2:
+            assert time.monotonic() < deadline, front.log()
+            time.sleep(0.5)
+        # Drained, not dead: the container moves at once, with what the call wrote.
+        moved = http.post("/sessions", json={"container": container})
+        assert moved.status_code == 201, moved.text
+        again = moved.json()["session_id"]
+        assert _host_of(again) != node
+        found = _exec(http, again, "print(open('late.txt').read())")
+        assert found["result_block"]["content"]["stdout"] == "finished\n", found
+        # And no new host was started on the node that left.
+        time.sleep(2)
+        assert http.get("/health").json()["hosts"] == 2
+
+        # The front end's own drain, as long: the call it relays finishes, and it
+        # exits by the signal it was sent.
+        answers.clear()
+        relayed = threading.Thread(target=lambda: answers.append(http.post(
+            f"/sessions/{again}/exec", json={"tool": "code_execution", "input": {
+                "code": "import time\ntime.sleep(6)\nprint('relayed')"}})))
+        relayed.start()
+        time.sleep(1)
+        front.process.send_signal(signal.SIGTERM)
+        relayed.join(60)
+        assert answers and answers[0].status_code == 200, answers
+        assert answers[0].json()["result_block"]["content"]["stdout"] == "relayed\n"
+        assert front.process.wait(60) == -signal.SIGTERM
+
+
 def test_a_crashed_host_is_passed_over_at_once_then_replaced(cluster):
     """``kill -9`` of a host's server, its node alive. Ray still offers the node's
     slots (and once the server's Ray job is seen to end, all of them), so new
