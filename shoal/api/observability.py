@@ -276,6 +276,16 @@ ALIAS_PREFIX = "/api/gpt"  # Zylon's clients call Shoal's routes under it
 _ALIAS_BYTES = ALIAS_PREFIX.encode()
 
 
+def request_id_from(headers) -> str:
+    """The client's X-Request-Id where it is one we keep, else a new id."""
+    given = ""
+    for name, value in headers:
+        if name == b"x-request-id":
+            given = value.decode("latin-1")
+            break
+    return given if _REQUEST_ID.match(given) else "req_" + secrets.token_hex(12)
+
+
 class Edge:
     def __init__(self, app) -> None:
         self.app = app
@@ -290,12 +300,7 @@ class Edge:
             raw = scope.get("raw_path")
             if isinstance(raw, bytes) and raw.startswith(_ALIAS_BYTES):
                 scope["raw_path"] = raw[len(_ALIAS_BYTES):]
-        given = ""
-        for name, value in scope["headers"]:
-            if name == b"x-request-id":
-                given = value.decode("latin-1")
-                break
-        request_id = given if _REQUEST_ID.match(given) else "req_" + secrets.token_hex(12)
+        request_id = request_id_from(scope["headers"])
         scope.setdefault("state", {})["request_id"] = request_id
         context = {"request_id": request_id}
         reset = request_context.set(context)

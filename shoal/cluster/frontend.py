@@ -43,7 +43,8 @@ from shoal.api._gateway import unless_gone
 from shoal.api.stalled import ResponseCut, StalledResponses
 from shoal.streaming import StreamingBody
 from shoal.api.errors import PLACEMENT_HEADER, error_response
-from shoal.api.observability import ALIAS_PREFIX
+from shoal.api.observability import ALIAS_PREFIX, request_id_from
+from shoal.logs import request_context
 from shoal.config import MiB, Settings, read_secret
 from shoal.storage import StoreUnavailable, open_metadata
 
@@ -86,6 +87,38 @@ def end_to_end(raw: list[tuple[bytes, bytes]],
     return [(name, value) for name, value in raw
             if (lower := name.lower()) not in _HOP and lower not in named
             and lower not in dropped]
+
+
+class RequestIds:
+    """Each request's id, as a host's edge gives it (the client's X-Request-Id,
+    unless a Connection field names it, or a new one), sent on to the host, so
+    both log the call under one id; and on the front end's own answers (its
+    503s and 504s said nothing a client could quote)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = request_id_from(end_to_end(scope["headers"]))
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = request_id.encode()
+
+        async def with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    headers += [(b"x-request-id", header), (b"request-id", header)]
+                message["headers"] = headers
+            await send(message)
+
+        reset = request_context.set({"request_id": request_id})
+        try:
+            await self.app(scope, receive, with_id)
+        finally:
+            request_context.reset(reset)
 
 
 class _Body:
@@ -350,7 +383,8 @@ class FrontEnd:
 
     async def _send(self, host: Host, request: Request, body: _Body,
                     probe: Probe | None) -> httpx.Response:
-        headers = end_to_end(request.headers.raw, _NOT_SENT)
+        headers = end_to_end(request.headers.raw, _NOT_SENT + (b"x-request-id",))
+        headers.append((b"x-request-id", request.scope["state"]["request_id"].encode()))
         if probe is not None:
             headers.append((PROBE_HEADER.encode(), probe.name.encode()))
         # The path as the client sent it (still percent-encoded), and its query as is.
@@ -412,7 +446,8 @@ def create_front_end(settings: Settings) -> Starlette:
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     # The bodies it keeps to resend: bounded each and all together, as on a host.
-    middleware = [Middleware(BodyLimits, cap=settings.request_cap,
+    middleware = [Middleware(RequestIds),
+                  Middleware(BodyLimits, cap=settings.request_cap,
                              budget=Budget(settings.request_buffer_mib * MiB),
                              idle_seconds=settings.request_body_idle_seconds),
                   Middleware(StalledResponses, seconds=settings.response_stall_seconds)]

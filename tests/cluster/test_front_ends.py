@@ -310,6 +310,23 @@ def test_hop_by_hop_headers_stop_at_the_front_end_and_lengths_pass(relay):
         assert head.headers.get("content-length") == str(len(got.content)), head.headers.raw
 
 
+def test_the_front_ends_own_answers_carry_the_calls_request_id(relay):
+    """A host's answers carry the call's request id; the front end's own (a 404
+    for a session no host holds, its 503s and 504s) carried none, in neither
+    header nor body, so a client had no id to quote for them."""
+    with relay.front.client() as http:
+        lost = "/sessions/" + "z" * 48
+        quoted = http.get(lost, headers={"X-Request-Id": "trace-42"})
+        assert quoted.status_code == 404, quoted.text
+        assert quoted.headers["x-request-id"] == "trace-42" == quoted.json()["request_id"]
+        made = http.get(lost)
+        assert made.headers["x-request-id"].startswith("req_"), made.headers
+        assert made.json()["request_id"] == made.headers["x-request-id"]
+        relayed = http.get("/v1/containers")
+        assert relayed.status_code == 200, relayed.text
+        assert len(relayed.headers.get_list("x-request-id")) == 1, relayed.headers.raw
+
+
 def test_relayed_headers_keep_repeated_fields_and_drop_hop_by_hop_ones():
     """Either way through the relay: a field sent several times stays several
     fields (Set-Cookie cannot be joined with commas), in order; a hop-by-hop
