@@ -196,6 +196,16 @@ class Membership:
                 get_if_exists=True, resources={HOST_RESOURCE: 1},
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             ).remote(key))
+            # The actor of a host drained before this front end started is still
+            # there (it outlives its server until the node leaves): known as
+            # drained from the start, not counted as serving until three polls
+            # had gone unanswered, its containers sent to a server that is gone.
+            state = await asyncio.wait_for(asyncio.wrap_future(actor.state.remote().future()),
+                                           _HOST_START_SECONDS)
+            if state == "drained":
+                self._drained.add(key)
+                log.info("sandbox host %s was drained: nothing goes to its node", key)
+                return
             url = await asyncio.wait_for(asyncio.wrap_future(actor.url.remote().future()),
                                          _HOST_START_SECONDS)
             host = Host(key, node_id, url, actor)

@@ -46,7 +46,7 @@ def cluster(postgres_url, seaweedfs, tmp_path):
     ray = RayCluster(3, postgres_url, seaweedfs, bucket, uid_base=970_000)
     fronts = []
 
-    def front_end(name: str):
+    def front_end(name: str, hosts: int = 3):
         secret = tmp_path / f"{name}.secret"
         secret.write_text(seaweedfs.secret_key)
         server = start_server(tmp_path / name, uid_base=976_000, cluster=ray.address,
@@ -56,7 +56,7 @@ def cluster(postgres_url, seaweedfs, tmp_path):
                               object_store_secret_key=f"@{secret}")
         fronts.append(server)
         deadline = time.monotonic() + 180  # every node's host started and answering
-        while httpx.get(f"{server.url}/health").json()["ready"] < 3:
+        while httpx.get(f"{server.url}/health").json()["ready"] < hosts:
             assert time.monotonic() < deadline, server.log()
             time.sleep(0.5)
         return server
@@ -290,6 +290,17 @@ def test_a_drained_host_finishes_its_calls_then_its_containers_move(cluster):
             "tool": "code_execution", "input": {"code": "1"}}).status_code == 404
         fresh = [http.post("/sessions", json={}).json()["session_id"] for _ in range(4)]
         assert node not in {_host_of(s) for s in fresh}
+        # A front end started after the drain knows the drained host as drained
+        # from its first answer: it took the actor (which outlives its server)
+        # for a host that serves, counted it, and sent it what it held, until
+        # three unanswered polls later.
+        late = cluster.front_end("late", hosts=2)
+        with late.client() as other:
+            assert other.get("/health").json()["hosts"] == 2
+            found = _exec(other, again, "print(open('late.txt').read())")
+            assert found["result_block"]["content"]["stdout"] == "finished\n", found
+        late.process.send_signal(signal.SIGTERM)
+        assert late.process.wait(60) is not None
 
         # The front end drains too: at SIGTERM its /readyz fails at once, for the
         # balancer, while it goes on serving, and a call it relays finishes.
