@@ -116,6 +116,21 @@ class FileStore(abc.ABC):
         """Release what the store holds open (mounts); files stay."""
 
 
+def _subdirectories(path: Path) -> list[Path]:
+    try:
+        return [Path(entry.path) for entry in os.scandir(path)
+                if entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def _remove_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass  # not empty, or still mounted: kept
+
+
 def _fsync_directory(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -227,6 +242,15 @@ class LocalFileStore(FileStore):
     def close(self) -> None:
         for mount_point in mounts_under(self._mounts):
             unmount(mount_point)
+        # The mount points go too, and the directory they were in: each was left
+        # behind, and each data directory has its own (a test makes one a
+        # server). Only the two levels this store makes: a mount point still
+        # mounted (its unmount failed) refuses rmdir, and nothing in it is read.
+        for tenant in _subdirectories(self._mounts):
+            for mount_point in _subdirectories(tenant):
+                _remove_if_empty(mount_point)
+            _remove_if_empty(tenant)
+        _remove_if_empty(self._mounts)
 
     # -- uploads -------------------------------------------------------------------
     def _upload_path(self, tenant: str, upload_id: str) -> Path:
