@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._mountinfo import mount_table
+
 V1_CONTROLLERS = ("memory", "pids", "cpu")
 _GROUP_PREFIX = "shoal"
 
@@ -41,15 +43,7 @@ class Limits:
 
 def _mounts() -> list[tuple[str, str, list[str]]]:
     """(mount point, fs type, super options) for each cgroup mount."""
-    found = []
-    with open("/proc/self/mountinfo") as handle:
-        for line in handle:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            fstype, _source, options = right.split()[:3]
-            if fstype in ("cgroup", "cgroup2"):
-                found.append((fields[4], fstype, options.split(",")))
-    return found
+    return [mount for mount in mount_table() if mount[1] in ("cgroup", "cgroup2")]
 
 
 _MS_REMOUNT = 32

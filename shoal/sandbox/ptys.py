@@ -14,6 +14,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from ._mountinfo import mount_table
+
 PTYS = 32
 
 # Runs as host root in a process of its own (setns into a mount namespace
@@ -41,13 +43,10 @@ class PtyCapFailed(RuntimeError):
 
 def _devpts_options(pid: int) -> str:
     """The options of the sandbox's /dev/pts, as its mount namespace shows them."""
-    with open(f"/proc/{pid}/mountinfo") as handle:
-        for line in handle:
-            left, _, right = line.partition(" - ")
-            fields, (fstype, _source, options) = left.split(), right.split()[:3]
-            if fields[4] == "/dev/pts" and fstype == "devpts":
-                return ",".join(option for option in options.split(",")
-                                if option not in ("rw", "ro") and not option.startswith("max="))
+    for point, fstype, options in mount_table(pid):
+        if point == "/dev/pts" and fstype == "devpts":
+            return ",".join(option for option in options
+                            if option not in ("rw", "ro") and not option.startswith("max="))
     raise PtyCapFailed("the sandbox has no /dev/pts to cap")
 
 

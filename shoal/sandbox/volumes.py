@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from . import _loop
+from ._mountinfo import mount_table
 
 MKFS = "/usr/sbin/mkfs.ext4"
 # Left free under the images beyond every volume's promise: the metadata and the
@@ -93,8 +94,7 @@ def _run(argv: list[str]) -> None:
 
 
 def _mount_points() -> list[str]:
-    with open("/proc/self/mountinfo") as handle:
-        return [line.split()[4] for line in handle]
+    return [point for point, _fstype, _options in mount_table()]
 
 
 def is_mounted(mount_point: Path) -> bool:
