@@ -246,34 +246,43 @@ def test_a_container_comes_back_on_another_node_after_kill_9_of_its_node(cluster
     _sweep_killed(cluster, index, tmp_path)
 
 
+def _drained_during_a_call(cluster, front, http, seconds: int) -> tuple[str, str, str]:
+    """A container's session, a call of ``seconds`` running in it, and its host
+    drained (SIGTERM) a second into the call: the call finishes whole, and the
+    front end drops the host. The call wrote late.txt as it ended. Returns the
+    container, the session and the node it was on."""
+    container = http.post("/v1/containers", json={"name": "draining"}).json()["id"]
+    session = http.post("/sessions", json={"container": container}).json()["session_id"]
+    node = _host_of(session)
+    answers = []
+
+    def long_call() -> None:
+        with front.client() as own:
+            answers.append(own.post(f"/sessions/{session}/exec", json={
+                "tool": "code_execution", "input": {"code": (
+                    f"import time\ntime.sleep({seconds})\n"
+                    "open('late.txt', 'w').write('finished')\nprint('done')")}}))
+
+    caller = threading.Thread(target=long_call)
+    caller.start()
+    time.sleep(1)  # the call is running on the host
+    os.kill(cluster.host_server(node), signal.SIGTERM)  # the operator drains the node
+    caller.join(60)
+    # The call in flight finished, whole, before the host stopped.
+    assert answers and answers[0].status_code == 200, answers
+    assert answers[0].json()["result_block"]["content"]["stdout"] == "done\n"
+
+    deadline = time.monotonic() + 60
+    while http.get("/health").json()["hosts"] != 2:
+        assert time.monotonic() < deadline, front.log()
+        time.sleep(0.5)
+    return container, session, node
+
+
 def test_a_drained_host_finishes_its_calls_then_its_containers_move(cluster):
     front = cluster.front_end("front")
     with front.client() as http:
-        container = http.post("/v1/containers", json={"name": "moving"}).json()["id"]
-        session = http.post("/sessions", json={"container": container}).json()["session_id"]
-        node = _host_of(session)
-        answers = []
-
-        def long_call() -> None:
-            with front.client() as own:
-                answers.append(own.post(f"/sessions/{session}/exec", json={
-                    "tool": "code_execution", "input": {"code": (
-                        "import time\ntime.sleep(3)\n"
-                        "open('late.txt', 'w').write('finished')\nprint('done')")}}))
-
-        caller = threading.Thread(target=long_call)
-        caller.start()
-        time.sleep(1)  # the call is running on the host
-        os.kill(cluster.host_server(node), signal.SIGTERM)  # the operator drains the node
-        caller.join(60)
-        # The call in flight finished, whole, before the host stopped.
-        assert answers and answers[0].status_code == 200, answers
-        assert answers[0].json()["result_block"]["content"]["stdout"] == "done\n"
-
-        deadline = time.monotonic() + 60
-        while http.get("/health").json()["hosts"] != 2:
-            assert time.monotonic() < deadline, front.log()
-            time.sleep(0.5)
+        container, session, node = _drained_during_a_call(cluster, front, http, seconds=3)
         # Ray sees the drained node full: only the other two nodes' slots are free.
         _free_slots_become(cluster, 2 * 6)
         # Drained: nothing new goes there, its session is gone, and the container
@@ -304,7 +313,7 @@ def test_a_drained_host_finishes_its_calls_then_its_containers_move(cluster):
 
         # The front end drains too: at SIGTERM its /readyz fails at once, for the
         # balancer, while it goes on serving, and a call it relays finishes.
-        answers.clear()
+        answers = []
         relayed = threading.Thread(target=lambda: answers.append(http.post(
             f"/sessions/{again}/exec", json={"tool": "code_execution", "input": {
                 "code": "import time\ntime.sleep(3)\nprint('relayed')"}})))
@@ -334,30 +343,7 @@ def test_a_drain_longer_than_three_seconds_is_not_cut_short(cluster):
     shutdown grace allows runs to its end."""
     front = cluster.front_end("front")
     with front.client() as http:
-        container = http.post("/v1/containers", json={"name": "slow"}).json()["id"]
-        session = http.post("/sessions", json={"container": container}).json()["session_id"]
-        node = _host_of(session)
-        answers = []
-
-        def long_call() -> None:
-            with front.client() as own:
-                answers.append(own.post(f"/sessions/{session}/exec", json={
-                    "tool": "code_execution", "input": {"code": (
-                        "import time\ntime.sleep(6)\n"
-                        "open('late.txt', 'w').write('finished')\nprint('done')")}}))
-
-        caller = threading.Thread(target=long_call)
-        caller.start()
-        time.sleep(1)
-        os.kill(cluster.host_server(node), signal.SIGTERM)
-        caller.join(60)
-        assert answers and answers[0].status_code == 200, answers
-        assert answers[0].json()["result_block"]["content"]["stdout"] == "done\n"
-
-        deadline = time.monotonic() + 60
-        while http.get("/health").json()["hosts"] != 2:
-            assert time.monotonic() < deadline, front.log()
-            time.sleep(0.5)
+        container, _session, node = _drained_during_a_call(cluster, front, http, seconds=6)
         # Drained, not dead: the container moves at once, with what the call wrote.
         moved = http.post("/sessions", json={"container": container})
         assert moved.status_code == 201, moved.text
@@ -371,7 +357,7 @@ def test_a_drain_longer_than_three_seconds_is_not_cut_short(cluster):
 
         # The front end's own drain, as long: the call it relays finishes, and it
         # exits by the signal it was sent.
-        answers.clear()
+        answers = []
         relayed = threading.Thread(target=lambda: answers.append(http.post(
             f"/sessions/{again}/exec", json={"tool": "code_execution", "input": {
                 "code": "import time\ntime.sleep(6)\nprint('relayed')"}})))
